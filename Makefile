@@ -1,0 +1,36 @@
+# Set-up is part of every target: `make demo` and `make test` create or reuse .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# PyTorch's CPU build (on local disk on the project's machines) where no NVIDIA GPU is present;
+# on a GPU machine pip resolves the range in pyproject.toml to a CUDA build.
+TORCH_CPU := torch==2.13.0
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: demo test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifeq ($(HAS_GPU),)
+	$(PY) -m pip install -q $(TORCH_CPU)
+endif
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/dynamiq demo
+
+test: $(STAMP)
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check dynamiq tests
+	$(VENV)/bin/ruff format --check dynamiq tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

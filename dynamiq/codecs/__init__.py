@@ -1,0 +1,36 @@
+"""Codecs: number formats for gradients, each with a certified error bound.
+
+``get_codec("mxfp8_e4m3")``, ``list_codecs()``, ``register_codec(cls)``; see DESIGN.md,
+"Contracts / Codec".
+"""
+
+from .base import Codec, ErrorBound, HopContext
+from .formats import ELEMENT_FORMATS, ElementFormat, get_format
+from .intq import IntCodec
+from .passthrough import BF16Codec, FP16Codec, FP32Codec, PassThroughCodec
+from .registry import (
+    ENTRY_POINT_GROUP,
+    UnknownCodecError,
+    get_codec,
+    list_codecs,
+    register_codec,
+)
+
+__all__ = [
+    "ELEMENT_FORMATS",
+    "ENTRY_POINT_GROUP",
+    "BF16Codec",
+    "Codec",
+    "ElementFormat",
+    "ErrorBound",
+    "FP16Codec",
+    "FP32Codec",
+    "HopContext",
+    "IntCodec",
+    "PassThroughCodec",
+    "UnknownCodecError",
+    "get_codec",
+    "get_format",
+    "list_codecs",
+    "register_codec",
+]
