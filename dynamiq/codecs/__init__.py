@@ -7,6 +7,7 @@
 from .base import Codec, ErrorBound, HopContext
 from .formats import ELEMENT_FORMATS, ElementFormat, get_format
 from .intq import IntCodec
+from .mx import MXFP4, MXFP6E2M3, MXFP6E3M2, MXFP8E4M3, MXFP8E5M2, MXINT8, MXCodec
 from .passthrough import BF16Codec, FP16Codec, FP32Codec, PassThroughCodec
 from .registry import (
     ENTRY_POINT_GROUP,
@@ -27,6 +28,13 @@ __all__ = [
     "FP32Codec",
     "HopContext",
     "IntCodec",
+    "MXCodec",
+    "MXFP4",
+    "MXFP6E2M3",
+    "MXFP6E3M2",
+    "MXFP8E4M3",
+    "MXFP8E5M2",
+    "MXINT8",
     "PassThroughCodec",
     "UnknownCodecError",
     "get_codec",
