@@ -20,10 +20,14 @@ import torch
 
 __all__ = [
     "FLOAT_DTYPES",
+    "FP32_MAX",
     "Codec",
     "ErrorBound",
     "HopContext",
 ]
+
+#: Largest finite fp32 value.
+FP32_MAX = float.fromhex("0x1.fffffep127")  # 3.4028234663852886e38
 
 #: Input dtypes every codec accepts.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -174,6 +178,11 @@ class Codec:
         """Exact wire size in bytes of ``numel`` values (``None``: data-dependent)."""
         raise NotImplementedError
 
+    @property
+    def max_input_abs(self) -> float:
+        """Largest finite ``|x|`` the codec encodes; beyond it ``encode`` raises ``ValueError``."""
+        return FP32_MAX
+
     def bits_per_value(self, numel: int = 1 << 20) -> float:
         """Wire bits per value for a large buffer (``8 * encoded_nbytes(numel) / numel``)."""
         nbytes = self.encoded_nbytes(numel)
@@ -223,12 +232,12 @@ class Codec:
         ctx = _check_ctx(ctx)
         out_ctx = ctx if out_ctx is None else _check_ctx(out_ctx)
         _check_values("local", local)
-        self._check_payload(payload, local.numel(), ctx)
-        if payload.device != local.device:
+        if isinstance(payload, torch.Tensor) and payload.device != local.device:
             raise ValueError(
                 f"payload and local must be on the same device "
                 f"(got {payload.device} and {local.device})"
             )
+        self._check_payload(payload, local.numel(), ctx)
         return self._reduce(payload, local, ctx, out_ctx)
 
     # -- what subclasses implement ----------------------------------------------------------

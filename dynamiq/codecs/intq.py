@@ -14,8 +14,9 @@ floor(q)]`` with ``q = fl32(x / S)`` and ``u`` from the counter-based hash of ``
 rank, global index)`` (``dynamiq.codecs.hashing``).
 
 Non-finite input: a block holding NaN or ±Inf gets a NaN scale and decodes to NaN.
-A block whose absmax needs a scale beyond the scale format's range (``fp16``: absmax > 65504 *
-qmax) raises ``ValueError``; all-zero blocks get scale 0 (``e8m0``: 2^-127) and decode to 0.
+Inputs are accepted up to ``max_input_abs``: 2^127 (half of fp32's range, so that ``code * S``
+stays finite), and ``65504 * qmax`` for ``fp16`` scales; a block beyond it raises
+``ValueError``. All-zero blocks get scale 0 (``e8m0``: 2^-127) and decode to 0.
 Tiny blocks never flush to zero silently: the scale is rounded up to the smallest positive
 value of the format, and the error stays within the bound below.
 """
@@ -94,6 +95,11 @@ class IntCodec(Codec):
         )
 
     @property
+    def max_input_abs(self) -> float:
+        # up to 2^127, so that code * S stays finite; fp16 scales cap at 65504 * qmax
+        return min(65504.0 * self.qmax, 2.0**127) if self.scale_format == "fp16" else 2.0**127
+
+    @property
     def qmax(self) -> int:
         return (1 << (self.bits - 1)) - 1
 
@@ -120,11 +126,12 @@ class IntCodec(Codec):
             s = _round_up_to_dtype(q, _SCALE_DTYPE[self.scale_format])
         s = torch.where(s * self.qmax < a, _next_up(s, self.scale_format), s)
         finite_a = torch.isfinite(a)
-        if bool((finite_a & (torch.isinf(s) | (s > 2.0**127))).any()):
+        if bool((finite_a & (a > self.max_input_abs)).any()):
             worst = float(a[finite_a].max())
             raise ValueError(
-                f"int codec: a block absmax of {worst:.6g} needs a scale beyond the range of "
-                f"scale_format={self.scale_format!r}; use scale_format='bf16' or 'fp32'"
+                f"int codec: a block absmax of {worst!r} exceeds max_input_abs="
+                f"{self.max_input_abs!r}: its scale is beyond scale_format="
+                f"{self.scale_format!r}; use a wider scale_format ('fp32')"
             )
         return torch.where(finite_a, s, torch.nan).float()
 
@@ -202,7 +209,7 @@ class IntCodec(Codec):
             x = torch.where(torch.remainder(k, self.block_size) == 0, qmax * 2.0**-3, x)
             return (x * torch.where(k % 3 == 0, -1.0, 1.0)).float()
 
-        s_txt = "S = roundup_fmt(absmax / qmax)"
+        s_txt = f"S = roundup_{self.scale_format}(absmax / qmax)"
         e_txt = " + qmax·S·2^-24 + 2^-150" if fp32_scale else ""
         formula = f"S·({'1' if stochastic else '1/2'} + 2^{qmax.bit_length() - 25}){e_txt}, {s_txt}"
         return ErrorBound(

@@ -1,0 +1,119 @@
+"""Golden fixtures: frozen wire bytes per codec under ``<fixtures_dir>/<name>/``.
+
+Each fixture holds ``config.json`` (codec config, hop context, numel), ``input.bin`` (fp32
+little-endian), ``payload.bin`` (the encoded bytes) and ``decoded.bin`` (fp32 little-endian).
+:func:`check_golden` re-encodes the input and compares bytes, so any change to a wire format
+fails loudly. Regenerate (only for a deliberate, documented format change) with::
+
+    python -m dynamiq.testing --write tests/fixtures
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dynamiq.codecs import Codec, HopContext, get_codec, list_codecs
+
+__all__ = ["EXTRA_FIXTURES", "check_golden", "fixture_name", "golden_input", "write_golden"]
+
+#: Non-default configurations frozen beside the registered names.
+EXTRA_FIXTURES: dict[str, dict[str, Any]] = {
+    "int4_stochastic_fp16": {
+        "codec": {"id": "int", "bits": 4, "rounding": "stochastic", "scale_format": "fp16"},
+        "ctx": {"seed": 7, "step": 3, "hop": 1, "num_hops": 4, "rank": 2, "offset": 4096},
+    },
+    "int3_e8m0_block64": {
+        "codec": {"id": "int", "bits": 3, "block_size": 64, "scale_format": "e8m0"},
+        "ctx": {},
+    },
+    "int6_fp32": {"codec": {"id": "int", "bits": 6, "scale_format": "fp32"}, "ctx": {}},
+}
+
+
+def golden_input(block_size: int) -> torch.Tensor:
+    """A deterministic input: magnitudes from subnormal to large, zeros, ±0, ties, a partial
+    last block."""
+    n = max(3 * block_size + 5, 101)
+    k = torch.arange(n, dtype=torch.float64)
+    x = torch.sin(k * 0.37) * torch.exp2(torch.remainder(k * 7, 51) - 40)
+    x[::17] = 0.0
+    x[5] = -0.0
+    x[7] = 2.0**-140
+    x[9] = 3.0 * 2.0**-130
+    x[11] = 1.5
+    x[13] = -2.5
+    return x.float()
+
+
+def fixture_name(codec: Codec) -> str:
+    """The registered name of ``codec`` (its preset or id)."""
+    for name in [*list_codecs(), *list_codecs(all_names=True)]:  # presets first
+        if get_codec(name) == codec:
+            return name
+    raise ValueError(f"{codec!r} has no registered name; pass name= explicitly")
+
+
+def _read_f32(path: Path) -> torch.Tensor:
+    return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32)
+
+
+def write_golden(
+    codec: Codec, fixtures_dir: str | Path, name: str | None = None, ctx: HopContext | None = None
+) -> Path:
+    """Write the fixture of ``codec`` (see the module docstring); returns its folder."""
+    name = name or fixture_name(codec)
+    folder = Path(fixtures_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    ctx = ctx or HopContext()
+    x = golden_input(codec.block_size)
+    payload = codec.encode(x, ctx)
+    decoded = codec.decode(payload, x.numel(), ctx)
+    ctx_fields = {k: v for k, v in vars(ctx).items() if k != "shared"}
+    meta = {"codec": codec.get_config(), "ctx": ctx_fields, "numel": x.numel()}
+    (folder / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    (folder / "input.bin").write_bytes(x.numpy().astype("<f4").tobytes())
+    (folder / "payload.bin").write_bytes(payload.numpy().tobytes())
+    (folder / "decoded.bin").write_bytes(decoded.numpy().astype("<f4").tobytes())
+    return folder
+
+
+def check_golden(codec: Codec, fixtures_dir: str | Path, name: str | None = None) -> None:
+    """Encoding the fixture's input gives its bytes; decoding gives its values, bit for bit."""
+    folder = Path(fixtures_dir) / (name or fixture_name(codec))
+    if not folder.is_dir():
+        raise AssertionError(f"no golden fixture for {codec!r} at {folder}")
+    meta = json.loads((folder / "config.json").read_text())
+    assert get_codec(meta["codec"]) == codec, f"{folder}: config {meta['codec']} != {codec!r}"
+    ctx = HopContext(**meta["ctx"])
+    x = _read_f32(folder / "input.bin")
+    assert x.numel() == meta["numel"]
+    expected = torch.frombuffer(bytearray((folder / "payload.bin").read_bytes()), dtype=torch.uint8)
+    payload = codec.encode(x, ctx)
+    if not torch.equal(payload, expected):
+        diff = (payload != expected).nonzero() if payload.shape == expected.shape else None
+        where = f"first differing byte {int(diff[0, 0])}" if diff is not None else "size"
+        raise AssertionError(f"{codec!r}: wire bytes differ from {folder} ({where})")
+    decoded = codec.decode(expected, x.numel(), ctx)
+    want = _read_f32(folder / "decoded.bin")
+    assert torch.equal(decoded.view(torch.int32), want.view(torch.int32)), f"{folder}: decode"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", metavar="DIR", required=True, help="fixtures folder")
+    args = parser.parse_args(argv)
+    for name in list_codecs():
+        print(write_golden(get_codec(name), args.write, name))
+    for name, spec in EXTRA_FIXTURES.items():
+        print(write_golden(get_codec(spec["codec"]), args.write, name, HopContext(**spec["ctx"])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
