@@ -17,6 +17,7 @@ True
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
@@ -36,6 +37,8 @@ ENTRY_POINT_GROUP = "dynamiq.codecs"
 # name -> (codec class, preset keyword arguments)
 _REGISTRY: dict[str, tuple[type[Codec], dict[str, Any]]] = {}
 _entry_points_loaded = False
+# entry-point name -> why it failed to load
+_BROKEN: dict[str, str] = {}
 
 C = TypeVar("C", bound=type[Codec])
 
@@ -74,21 +77,25 @@ def _load_entry_points() -> None:
         return
     _entry_points_loaded = True
     for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in _REGISTRY:
+            continue
         try:
             cls = ep.load()
+            register_codec(cls)
         except Exception as exc:  # a broken plugin must not break the built-ins
-            raise ImportError(
-                f"failed to load dynamiq codec plugin {ep.name!r} ({ep.value}): {exc}"
-            ) from exc
-        if (cls, {}) == _REGISTRY.get(getattr(cls, "codec_id", None) or ""):
-            continue  # already registered (e.g. the plugin module registers itself on import)
-        register_codec(cls)
+            _BROKEN[ep.name] = f"{ep.value}: {type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"dynamiq codec plugin {ep.name!r} failed to load ({_BROKEN[ep.name]})",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 def _reset_entry_points() -> None:
     """Forget that entry points were loaded (tests that add a plugin to ``sys.path``)."""
     global _entry_points_loaded
     _entry_points_loaded = False
+    _BROKEN.clear()
 
 
 def get_codec(name_or_config: str | Mapping[str, Any] | Codec) -> Codec:
@@ -116,6 +123,8 @@ def get_codec(name_or_config: str | Mapping[str, Any] | Codec) -> Codec:
     name = config["id"]
     if name not in _REGISTRY:
         _load_entry_points()
+    if name in _BROKEN:
+        raise ImportError(f"dynamiq codec plugin {name!r} failed to load ({_BROKEN[name]})")
     if name not in _REGISTRY:
         raise UnknownCodecError(
             f"unknown codec {name!r}; known codecs: {', '.join(list_codecs(all_names=True))}"

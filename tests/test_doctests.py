@@ -1,0 +1,24 @@
+"""The package's docstring examples run (STYLE.md item 11)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import dynamiq
+
+MODULES = sorted(
+    m.name
+    for m in pkgutil.walk_packages(dynamiq.__path__, "dynamiq.")
+    if not m.name.endswith("__main__")
+)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_doctests(name: str) -> None:
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
