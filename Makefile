@@ -24,7 +24,7 @@ endif
 demo: $(STAMP)
 	$(VENV)/bin/dynamiq demo
 
-test: $(STAMP)
+test: lint
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -290,9 +290,7 @@ def _check_values(name: str, x: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (got {type(x).__name__})")
     if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must have dtype float32, bfloat16 or float16 (got {x.dtype})"
-        )
+        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16 (got {x.dtype})")
     if x.dim() != 1:
         raise ValueError(f"{name} must be 1-D (got shape {tuple(x.shape)}); flatten it first")
     if not x.is_contiguous():
@@ -314,6 +312,3 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     """Raise a ``ValueError`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))} (got {value!r})")
-
-
-

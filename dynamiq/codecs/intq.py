@@ -78,7 +78,7 @@ class IntCodec(Codec):
     nonfinite: ClassVar[str] = "A block holding NaN or ±Inf gets a NaN scale and decodes to NaN."
 
     bits: int = 8
-    block_size: int = 32  # type: ignore[assignment]
+    block_size: int = 32
     rounding: str = "nearest"
     scale_format: str = "bf16"
 

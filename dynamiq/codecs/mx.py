@@ -40,7 +40,7 @@ from .intq import block_absmax
 from .packing import pack_bits, packed_nbytes, unpack_bits
 from .registry import register_codec
 
-__all__ = ["MXCodec", "MXFP4", "MXFP6E2M3", "MXFP6E3M2", "MXFP8E4M3", "MXFP8E5M2", "MXINT8"]
+__all__ = ["MXFP4", "MXFP6E2M3", "MXFP6E3M2", "MXFP8E4M3", "MXFP8E5M2", "MXINT8", "MXCodec"]
 
 MX_BLOCK = 32
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["packed_nbytes", "pack_bits", "unpack_bits"]
+__all__ = ["pack_bits", "packed_nbytes", "unpack_bits"]
 
 
 def packed_nbytes(numel: int, bits: int) -> int:

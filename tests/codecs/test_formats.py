@@ -106,8 +106,9 @@ def test_encode_decode_identity_on_every_code(name: str) -> None:
     codes = torch.arange(1 << fmt.bits)
     finite = torch.isfinite(table)
     back = fmt.encode(table[finite])
-    assert torch.equal(fmt.decode_table()[back.long()].view(torch.int32),
-                       table[finite].view(torch.int32))
+    assert torch.equal(
+        fmt.decode_table()[back.long()].view(torch.int32), table[finite].view(torch.int32)
+    )
     # the encoder writes canonical codes: each finite code maps back to itself
     assert torch.equal(back.long(), codes[finite])
 

@@ -14,6 +14,7 @@ from dynamiq.codecs import HopContext, IntCodec, get_codec
 from dynamiq.codecs.packing import unpack_bits
 from dynamiq.testing import finite_tensors
 
+
 def _scales_and_codes(codec: IntCodec, payload: torch.Tensor, n: int) -> tuple:
     nb = -(-n // codec.block_size)
     width = {"bf16": 2, "fp16": 2, "fp32": 4, "e8m0": 1}[codec.scale_format]
@@ -74,8 +75,10 @@ def test_tiny_blocks_do_not_flush_silently() -> None:
     assert float(codec.error_bound.max_abs_error(x)[0]) <= 2.0**-25 * (1 + 2**-17)
 
 
-@pytest.mark.parametrize("fmt,limit", [("fp16", 65504.0 * 127), ("bf16", 2.0**127),
-                                       ("fp32", 2.0**127), ("e8m0", 2.0**127)])
+@pytest.mark.parametrize(
+    "fmt,limit",
+    [("fp16", 65504.0 * 127), ("bf16", 2.0**127), ("fp32", 2.0**127), ("e8m0", 2.0**127)],
+)
 def test_out_of_range_block_is_a_clear_error(fmt: str, limit: float) -> None:
     codec = IntCodec(bits=8, scale_format=fmt)
     assert codec.max_input_abs == limit

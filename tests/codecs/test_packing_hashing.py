@@ -55,9 +55,10 @@ def test_hash_of_large_indices_and_keys() -> None:
     assert bool(((h >= 0) & (h < 2**32)).all())
     lo, hi = idx & 0xFFFFFFFF, idx >> 32
     ref = [
-        _fmix32_reference(_fmix32_reference((int(a) * 0x9E3779B1 + keys[0]) % 2**32) ^ int(b)
-                          ^ keys[1])
-        for a, b in zip(lo, hi)
+        _fmix32_reference(
+            _fmix32_reference((int(a) * 0x9E3779B1 + keys[0]) % 2**32) ^ int(b) ^ keys[1]
+        )
+        for a, b in zip(lo, hi, strict=True)
     ]
     assert h.tolist() == ref
     assert len(set(h.tolist())) == 4

@@ -14,8 +14,10 @@ from dynamiq.codecs import get_codec
 def test_matches_torch_rne_cast_in_range(name: str, dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     big = torch.finfo(dtype).max
-    x = (torch.randn(100_000, generator=g) * torch.exp2(torch.randint(-30, 30, (100_000,),
-                                                                       generator=g))).clamp(-big, big)
+    x = (
+        torch.randn(100_000, generator=g)
+        * torch.exp2(torch.randint(-30, 30, (100_000,), generator=g))
+    ).clamp(-big, big)
     codec = get_codec(name)
     assert torch.equal(codec.encode(x), x.to(dtype).view(torch.uint8))
     assert torch.equal(codec.decode(codec.encode(x), x.numel()), x.to(dtype).float())
