@@ -76,7 +76,9 @@ class HopContext:
     def __post_init__(self) -> None:
         for name in _INT_FIELDS:
             lo = 1 if name in ("num_hops", "contributions", "world_size") else 0
-            check_int(name, getattr(self, name), lo, 2**63 - 1)
+            # seed, step and offset are 64-bit counter words; the others fit in 32 bits
+            hi = 2**63 - 1 if name in ("seed", "step", "offset") else 2**32 - 1
+            check_int(name, getattr(self, name), lo, hi)
         if self.hop >= self.num_hops:
             raise ValueError(f"hop must be < num_hops={self.num_hops} (got {self.hop})")
         if self.shared is not None and not isinstance(self.shared, Mapping):

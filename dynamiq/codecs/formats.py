@@ -201,9 +201,12 @@ class ElementFormat:
         The power-of-two scale is applied to the exponent field, so there is one rounding
         only. Finite values beyond ``max`` saturate to ``±max`` when ``saturate`` (the MX
         rule); otherwise they become Inf where the format has it, else NaN (as ``ml_dtypes``
-        casts do). NaN becomes the format's NaN; in formats without NaN it becomes ±0 (MX
+        casts do). NaN becomes the format's NaN; in formats without NaN it becomes +0 (MX
         marks such blocks NaN through the scale). ±Inf becomes ±Inf, or ±max where the format
         has no Inf and ``saturate``, or NaN.
+
+        ``float8_e8m0fnu`` (unsigned, no zero): negative values, NaN and ±Inf become NaN
+        (``0xFF``); zero and values below 2^-127 become the smallest code 2^-127 (``0x00``).
         """
         bits = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
         sign = (bits >> 31) & 1

@@ -17,8 +17,9 @@ Non-finite input: a block holding NaN or ±Inf gets a NaN scale and decodes to N
 Inputs are accepted up to ``max_input_abs``: 2^127 (half of fp32's range, so that ``code * S``
 stays finite), and ``65504 * qmax`` for ``fp16`` scales; a block beyond it raises
 ``ValueError``. All-zero blocks get scale 0 (``e8m0``: 2^-127) and decode to 0.
-Tiny blocks never flush to zero silently: the scale is rounded up to the smallest positive
-value of the format, and the error stays within the bound below.
+Tiny blocks never get a zero scale: it rounds up to the smallest positive value of the scale
+format (fp16: 2^-24), so a block far below it decodes to values within ``S/2`` of the input
+(zeros when ``absmax < S/2``), as the bound below states.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Wire format: the values in the named IEEE format, little-endian, nothing else. ``bf16`` and
 ``fp16`` round to nearest-even; finite values beyond the format's largest value saturate to it
-(so a finite gradient never becomes Inf), NaN and ±Inf pass through unchanged.
+(so a finite gradient never becomes Inf); NaN stays NaN (its sign and payload bits may
+change in the cast) and ±Inf stays ±Inf.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class PassThroughCodec(Codec):
     """
 
     dtype: ClassVar[torch.dtype]
-    nonfinite: ClassVar[str] = "NaN and ±Inf pass through unchanged."
+    nonfinite: ClassVar[str] = "NaN stays NaN and ±Inf stays ±Inf."
 
     @property
     def block_size(self) -> int:
