@@ -1,0 +1,267 @@
+"""Public collective API: :func:`allreduce` over torch.distributed and
+:func:`simulate_allreduce` in one process (DESIGN.md, "Collectives")."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dynamiq.codecs import Codec, get_codec
+from dynamiq.codecs.base import FLOAT_DTYPES
+
+from .engine import EngineResult, plan_schedule, run_schedule
+from .schedules import Schedule, get_schedule
+from .transport import LocalCluster, TorchDistTransport, Transport, run_threads
+
+__all__ = [
+    "AllReduceHandle",
+    "AllReduceStats",
+    "SimResult",
+    "allreduce",
+    "simulate_allreduce",
+]
+
+#: Buffers with fewer elements than this go uncompressed (fp32) by default.
+DEFAULT_THRESHOLD = 1024
+_OPS = ("sum", "avg")
+
+
+@dataclass
+class AllReduceStats:
+    """What one rank sent and received, and where its time went.
+
+    ``bytes_sent``/``bytes_received`` count payloads and length headers; ``bound_bytes_sent``
+    the certified bounds that travel beside them (``return_bound=True``); ``control_bytes_sent``
+    the configuration handshake. ``seconds`` has one entry per phase (``agree``, ``encode``,
+    ``reduce``, ``wait``, ``decode``, ``total``). ``bound`` is the certified per-element bound
+    of the result (fp64), when asked.
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bound_bytes_sent: int = 0
+    control_bytes_sent: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+    bound: torch.Tensor | None = None
+    codec: str = ""
+    schedule: str = ""
+
+    @classmethod
+    def from_result(cls, res: EngineResult, codec: Codec, schedule: Schedule) -> AllReduceStats:
+        return cls(
+            bytes_sent=res.bytes_sent,
+            bytes_received=res.bytes_received,
+            bound_bytes_sent=res.bound_bytes_sent,
+            control_bytes_sent=res.control_bytes_sent,
+            seconds=res.seconds,
+            bound=res.bound,
+            codec=repr(codec),
+            schedule=schedule.name,
+        )
+
+
+@dataclass
+class SimResult:
+    """Result of :func:`simulate_allreduce`.
+
+    ``outputs``: one fp32 tensor per rank (bit-identical); ``exact``: the fp64 sum;
+    ``vnmse``: ``‖out - exact‖² / ‖exact‖²``; ``bytes_sent``: per rank; ``bound``: the certified
+    per-element bound of ``|out - exact|`` (fp64); ``stats``: each rank's :class:`AllReduceStats`.
+    """
+
+    outputs: list[torch.Tensor]
+    exact: torch.Tensor
+    vnmse: float
+    bytes_sent: list[int]
+    bound: torch.Tensor | None
+    stats: list[AllReduceStats]
+
+    def bits_per_value(self) -> float:
+        """8 × bytes sent ÷ values carried, averaged over ranks (payloads and headers)."""
+        n = len(self.outputs)
+        numel = self.exact.numel()
+        if n == 1 or numel == 0:
+            return 0.0
+        return 8 * sum(self.bytes_sent) / n / (2 * (n - 1) / n * numel)
+
+
+def _check_tensor(t: Any, name: str = "tensor") -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16 (got {t.dtype})")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return t
+
+
+def _finish(
+    tensor: torch.Tensor, res: EngineResult, op: str, world_size: int
+) -> torch.Tensor | None:
+    """Write the result into ``tensor`` (AVG divides; bf16/fp16 round), extending the bound."""
+    out = res.output
+    bound = res.bound
+    if op == "avg":
+        scaled = out / world_size
+        if bound is not None:
+            bound = bound / world_size + scaled.double().abs() * 2.0**-24 + 2.0**-150
+        out = scaled
+    if tensor.dtype != torch.float32:
+        cast = out.to(tensor.dtype)
+        if bound is not None:
+            bound = bound + (cast.double() - out.double()).abs()
+        out = cast.float()
+    tensor.view(-1).copy_(out)
+    return bound
+
+
+def _resolve(
+    codec: Any, schedule: str | Schedule, world_size: int, numel: int, threshold: int, **kw: Any
+) -> tuple[Codec, Schedule]:
+    c = get_codec(codec)
+    if numel < threshold:
+        c = get_codec("fp32")
+    return c, get_schedule(schedule, world_size, **kw)
+
+
+class AllReduceHandle:
+    """Returned by ``allreduce(..., async_op=True)``: ``wait()`` returns the stats."""
+
+    def __init__(self, fn: Any):
+        self._result: AllReduceStats | None = None
+        self._error: BaseException | None = None
+
+        def body() -> None:
+            try:
+                self._result = fn()
+            except BaseException as exc:
+                self._error = exc
+
+        self._thread = threading.Thread(target=body, daemon=True, name="dynamiq-allreduce")
+        self._thread.start()
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> AllReduceStats:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"all-reduce still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    codec: Any = "fp32",
+    schedule: str | Schedule = "ring",
+    group: Any = None,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    op: str = "sum",
+    async_op: bool = False,
+    return_bound: bool = False,
+    sub_chunk: int = 1 << 18,
+    threshold: int = DEFAULT_THRESHOLD,
+    timeout: float = 300.0,
+    transport: Transport | None = None,
+    schedule_options: dict[str, Any] | None = None,
+) -> AllReduceStats | AllReduceHandle:
+    """Compressed all-reduce of ``tensor`` in place over ``group`` (torch.distributed).
+
+    ``codec``: an id, a config or a Codec; ``schedule``: a name (``ring``, ``butterfly``,
+    ``tree``, ``hierarchical``) or a :class:`Schedule`; ``op``: ``"sum"`` or ``"avg"``.
+    Every rank ends with bit-identical values. Tensors of any shape are reduced as their
+    flattened contents. Buffers under ``threshold`` elements go uncompressed (fp32).
+    A peer that dies or stalls raises :class:`PeerTimeoutError` within ``timeout`` seconds;
+    ranks that disagree on the configuration raise :class:`ConfigMismatchError`.
+    """
+    _check_tensor(tensor)
+    if op not in _OPS:
+        raise ValueError(f"op must be one of 'sum', 'avg' (got {op!r})")
+    tr = transport or TorchDistTransport(group)
+    c, sched = _resolve(codec, schedule, tr.world_size, tensor.numel(), threshold,
+                        **(schedule_options or {}))  # fmt: skip
+
+    def run() -> AllReduceStats:
+        res = run_schedule(
+            tr, tensor.reshape(-1), c, sched, seed=seed, step=step, sub_chunk=sub_chunk,
+            return_bound=return_bound, timeout=timeout,
+            descriptor={"op": op, "dtype": str(tensor.dtype)},
+        )  # fmt: skip
+        bound = _finish(tensor, res, op, tr.world_size)
+        stats = AllReduceStats.from_result(res, c, sched)
+        stats.bound = bound
+        return stats
+
+    if async_op:
+        return AllReduceHandle(run)
+    return run()
+
+
+def simulate_allreduce(
+    tensors: list[torch.Tensor],
+    codec: Any = "fp32",
+    schedule: str | Schedule = "ring",
+    seed: int = 0,
+    *,
+    step: int = 0,
+    op: str = "sum",
+    return_bound: bool = True,
+    sub_chunk: int = 1 << 18,
+    threshold: int = 0,
+    timeout: float = 300.0,
+    schedule_options: dict[str, Any] | None = None,
+) -> SimResult:
+    """Run the all-reduce of ``tensors`` (one per simulated rank) in this process.
+
+    The ranks are threads exchanging bytes through in-process mailboxes, running exactly the
+    engine that runs over torch.distributed. Inputs are not modified.
+    """
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError("tensors must be a non-empty list, one tensor per rank")
+    n = len(tensors)
+    shapes = {tuple(t.shape) for t in tensors}
+    for i, t in enumerate(tensors):
+        _check_tensor(t, f"tensors[{i}]")
+    if len(shapes) != 1:
+        raise ValueError(f"all ranks' tensors must have the same shape (got {sorted(shapes)})")
+    if op not in _OPS:
+        raise ValueError(f"op must be one of 'sum', 'avg' (got {op!r})")
+    c, sched = _resolve(codec, schedule, n, tensors[0].numel(), threshold,
+                        **(schedule_options or {}))  # fmt: skip
+    plan = plan_schedule(sched, c, seed=seed, step=step)
+    cluster = LocalCluster(n)
+    outs = [t.detach().clone() for t in tensors]
+
+    def rank(r: int) -> AllReduceStats:
+        res = run_schedule(
+            cluster.transport(r), outs[r].reshape(-1), c, sched, seed=seed, step=step,
+            sub_chunk=sub_chunk, return_bound=return_bound, timeout=timeout, plan=plan,
+        )  # fmt: skip
+        bound = _finish(outs[r], res, op, n)
+        stats = AllReduceStats.from_result(res, c, sched)
+        stats.bound = bound
+        return stats
+
+    stats = run_threads(n, rank)
+    exact = torch.stack([t.reshape(-1).double() for t in tensors]).sum(dim=0)
+    if op == "avg":
+        exact = exact / n
+    out0 = outs[0].reshape(-1).double()
+    denom = float(exact.square().sum())
+    vnmse = float((out0 - exact).square().sum()) / denom if denom > 0 else 0.0
+    return SimResult(
+        outputs=[o.reshape(-1).float() for o in outs],
+        exact=exact,
+        vnmse=vnmse,
+        bytes_sent=[s.bytes_sent for s in stats],
+        bound=stats[0].bound,
+        stats=stats,
+    )

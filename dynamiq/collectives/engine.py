@@ -1,0 +1,534 @@
+"""The engine: executes any schedule with any codec over any transport (DESIGN.md,
+"Collectives").
+
+Each rank holds, per chunk, either a *raw* fp32 value (its gradient, or an exact fp32 sum of
+decoded partial sums and its gradient) or an *encoded* one (payload bytes with the codec and
+:class:`~dynamiq.codecs.HopContext` that made them). Per round of the schedule:
+
+1. post the receives;
+2. send: forward the encoded bytes of a chunk as they are, or encode its raw value;
+3. process each received sub-chunk as it arrives, while later ones are still in flight:
+   ``copy`` keeps the bytes; ``reduce`` adds the local value, and either recompresses at once
+   with the codec's fused ``reduce`` (when this rank's next use of the chunk is to send it) or
+   keeps the exact fp32 sum (when the next use is another reduction: no needless rounding).
+
+The rank that completes a chunk's sum always sends it on in the all-gather, so it encodes it
+once and everybody, the owner included, decodes those very bytes: **every rank ends
+bit-identical**. Which encoding is which hop is planned from the schedule alone, identically on
+every rank, so receivers know each payload's ``HopContext`` (``hop``, ``num_hops``,
+``contributions``, the encoding ``rank``, the global ``offset``) without metadata on the wire.
+
+Chunks are cut on multiples of the codecs' block sizes, aligned to global offsets, and split
+into sub-chunks of ``sub_chunk`` elements (also block multiples): nothing a codec decides
+depends on the cut, so the result is the same for any sub-chunk size.
+
+Certified bounds (``return_bound=True``): every value carries a per-element bound on its
+distance from the exact sum of the gradients it holds. Encoding ``v`` adds
+``codec.error_bound.max_abs_error(v, ctx)``; an fp32 addition adds ``|fl(a + b)|·2^-24 +
+2^-150``; a bound travels beside its payload as one fp64 per group of elements (the group's
+maximum), counted apart from the payload bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dynamiq.codecs import Codec, HopContext, get_codec
+
+from .schedules import Schedule
+from .transport import PeerTimeoutError, Transport, Work
+
+__all__ = [
+    "WIRE_VERSION",
+    "ConfigMismatchError",
+    "EngineResult",
+    "chunk_bounds",
+    "plan_schedule",
+    "run_schedule",
+]
+
+#: Version of the engine's wire protocol (message order, headers); ranks must agree on it.
+WIRE_VERSION = 1
+
+_ADD_REL = 2.0**-24 * (1 + 2.0**-20)  # |fl(a + b) - (a + b)| <= |fl(a + b)| * _ADD_REL + _TINY
+_TINY = 2.0**-150
+
+
+class ConfigMismatchError(ValueError):
+    """Ranks disagree on the collective's configuration (codec, schedule, sizes, version)."""
+
+
+# -- planning ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendOp:
+    chunk: int
+    codec: Codec
+    ctx: HopContext  # the context the payload is (or gets) encoded with (offset 0)
+    encode: bool  # encode a raw value (True) or forward bytes held (False)
+
+
+@dataclass(frozen=True)
+class RecvOp:
+    chunk: int
+    codec: Codec
+    ctx: HopContext  # how the incoming payload was encoded (offset 0)
+    mode: str  # "copy", "fused" (reduce and re-encode with out_ctx) or "keep" (fp32 sum)
+    out_ctx: HopContext | None = None
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    send_to: int | None
+    sends: tuple[SendOp, ...]
+    recv_from: int | None
+    recvs: tuple[RecvOp, ...]
+
+
+@dataclass
+class _Sym:
+    encoded: bool = False
+    codec: Codec | None = None
+    ctx: HopContext | None = None
+    level: int = 0  # encodings along the longest history of the value
+    contrib: int = 1  # gradients summed in the value
+
+
+def plan_schedule(
+    schedule: Schedule, codec: Codec, *, seed: int = 0, step: int = 0
+) -> list[list[RoundPlan]]:
+    """What every rank does in every round, with the hop context of every encoding.
+
+    Pure function of its arguments: every rank computes the same plan.
+    """
+    n = schedule.world_size
+    codecs: dict[Any, Codec] = {}
+
+    def codec_of(override: Any) -> Codec:
+        if override is None:
+            return codec
+        key = json.dumps(get_codec(override).get_config(), sort_keys=True)
+        return codecs.setdefault(key, get_codec(override))
+
+    # when does each (rank, chunk) next appear, and how: ("send", codec) or ("recv", mode)
+    events: dict[tuple[int, int], list[tuple[int, str, Codec]]] = {}
+    for r in range(n):
+        for k, st in enumerate(schedule.steps[r]):
+            for ch in st.send_chunks:
+                events.setdefault((r, ch), []).append((k, "send", codec_of(st.codec)))
+            for ch in st.recv_chunks:
+                events.setdefault((r, ch), []).append((k, "recv", codec_of(st.codec)))
+
+    def next_event(r: int, ch: int, k: int) -> tuple[str, Codec] | None:
+        for kk, kind, c in events.get((r, ch), ()):
+            if kk > k:
+                return kind, c
+        return None
+
+    def run(num_hops: list[int] | None) -> tuple[list[list[RoundPlan]], list[int]]:
+        sym = [[_Sym() for _ in range(schedule.num_chunks)] for _ in range(n)]
+        plans: list[list[RoundPlan]] = [[] for _ in range(n)]
+
+        def ctx(r: int, ch: int, level: int, contrib: int) -> HopContext:
+            h = num_hops[ch] if num_hops else level + 1
+            return HopContext(seed=seed, step=step, hop=level, num_hops=max(h, level + 1),
+                              rank=r, contributions=contrib, world_size=n)  # fmt: skip
+
+        for k in range(schedule.num_rounds):
+            outgoing: dict[int, dict[int, _Sym]] = {}
+            sends: list[list[SendOp]] = [[] for _ in range(n)]
+            for r in range(n):
+                st = schedule.steps[r][k]
+                c = codec_of(st.codec)
+                for ch in st.send_chunks:
+                    s = sym[r][ch]
+                    fresh = not (s.encoded and s.codec == c)
+                    if fresh:
+                        s = _Sym(True, c, ctx(r, ch, s.level, s.contrib), s.level + 1, s.contrib)
+                        sym[r][ch] = s
+                    assert s.ctx is not None
+                    sends[r].append(SendOp(ch, c, s.ctx, fresh))
+                    outgoing.setdefault(r, {})[ch] = dataclasses.replace(s)
+            for r in range(n):
+                st = schedule.steps[r][k]
+                c = codec_of(st.codec)
+                recvs = []
+                for ch in st.recv_chunks:
+                    assert st.recv_from is not None
+                    msg = outgoing[st.recv_from][ch]
+                    assert msg.ctx is not None
+                    if st.action == "copy":
+                        sym[r][ch] = dataclasses.replace(msg)
+                        recvs.append(RecvOp(ch, c, msg.ctx, "copy"))
+                        continue
+                    mine = sym[r][ch]
+                    level = max(mine.level, msg.level)
+                    contrib = mine.contrib + msg.contrib
+                    nxt = next_event(r, ch, k)
+                    if nxt is not None and nxt[0] == "send" and nxt[1] == c:
+                        out = ctx(r, ch, level, contrib)
+                        sym[r][ch] = _Sym(True, c, out, level + 1, contrib)
+                        recvs.append(RecvOp(ch, c, msg.ctx, "fused", out))
+                    else:
+                        sym[r][ch] = _Sym(False, None, None, level, contrib)
+                        recvs.append(RecvOp(ch, c, msg.ctx, "keep"))
+                plans[r].append(RoundPlan(st.send_to, tuple(sends[r]), st.recv_from, tuple(recvs)))
+        hops = [max(sym[r][ch].level for r in range(n)) for ch in range(schedule.num_chunks)]
+        return plans, hops
+
+    _, hops = run(None)
+    plans, _ = run([max(h, 1) for h in hops])
+    return plans
+
+
+def chunk_bounds(numel: int, num_chunks: int, align: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each chunk: block-aligned, as even as blocks allow."""
+    nb = -(-numel // align)
+    return [
+        (min(numel, i * nb // num_chunks * align), min(numel, (i + 1) * nb // num_chunks * align))
+        for i in range(num_chunks)
+    ]
+
+
+def _pieces(start: int, end: int, sub: int) -> list[tuple[int, int]]:
+    return [(s, min(end, s + sub)) for s in range(start, end, sub)] or [(start, start)]
+
+
+# -- execution --------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineResult:
+    """What one rank's run produced and measured."""
+
+    output: torch.Tensor  # fp32, the all-reduced buffer
+    bound: torch.Tensor | None  # fp64 per element, when asked
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bound_bytes_sent: int = 0
+    control_bytes_sent: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _State:
+    encoded: bool = False
+    codec: Codec | None = None
+    ctx: HopContext | None = None
+    payloads: list[torch.Tensor] = field(default_factory=list)
+    bounds: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def add(self, phase: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - t0
+        return now
+
+
+def _group_size(codec: Codec) -> int:
+    return max(codec.block_size, 32)
+
+
+def _pack_bound(bound: torch.Tensor, group: int) -> torch.Tensor:
+    n = bound.numel()
+    ng = -(-n // group)
+    padded = torch.zeros(ng * group, dtype=torch.float64, device=bound.device)
+    padded[:n] = bound
+    return padded.view(ng, group).amax(dim=1) if ng else padded[:0]
+
+
+def _unpack_bound(groups: torch.Tensor, n: int, group: int) -> torch.Tensor:
+    return groups.repeat_interleave(group)[:n]
+
+
+def _slack(v: torch.Tensor) -> torch.Tensor:
+    return v.double().abs() * _ADD_REL + _TINY
+
+
+def run_schedule(
+    transport: Transport,
+    x: torch.Tensor,
+    codec: Codec,
+    schedule: Schedule,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    sub_chunk: int = 1 << 18,
+    return_bound: bool = False,
+    timeout: float = 300.0,
+    base_offset: int = 0,
+    descriptor: dict[str, Any] | None = None,
+    plan: list[list[RoundPlan]] | None = None,
+) -> EngineResult:
+    """All-reduce (sum) the 1-D tensor ``x`` of this rank; returns the fp32 result.
+
+    ``descriptor`` is compared across ranks before the first transfer (a mismatch raises
+    :class:`ConfigMismatchError` on every rank). ``timeout`` bounds every wait on a peer.
+    """
+    r, n = transport.rank, transport.world_size
+    if schedule.world_size != n:
+        raise ValueError(f"schedule is for {schedule.world_size} ranks, transport has {n}")
+    timer = _Timer()
+    t0 = time.perf_counter()
+    result = EngineResult(output=torch.empty(0), bound=None)
+    numel = x.numel()
+    desc = {
+        "wire_version": WIRE_VERSION,
+        "codec": codec.get_config(),
+        "schedule": schedule.describe(),
+        "numel": numel,
+        "seed": seed,
+        "step": step,
+        "sub_chunk": sub_chunk,
+        "return_bound": return_bound,
+        **(descriptor or {}),
+    }
+    result.control_bytes_sent += agree(transport, desc, timeout)
+    t0 = timer.add("agree", t0)
+
+    plan = plan or plan_schedule(schedule, codec, seed=seed, step=step)
+    codecs = [codec] + [op.codec for rnd in plan[r] for op in rnd.sends + rnd.recvs]
+    align = math.lcm(*(c.block_size for c in codecs))
+    sub = max(align, sub_chunk // align * align)
+    bounds = chunk_bounds(numel, schedule.num_chunks, align)
+    pieces = [_pieces(a, b, sub) for a, b in bounds]
+
+    work = x.detach().to(torch.float32).clone()  # raw values (fp32), updated in place
+    beta = torch.zeros(numel, dtype=torch.float64, device=x.device) if return_bound else None
+    state = [_State() for _ in range(schedule.num_chunks)]
+
+    def octx(ctx: HopContext, start: int) -> HopContext:
+        return dataclasses.replace(ctx, offset=base_offset + start)
+
+    def local_value(ch: int, j: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        s = state[ch]
+        if not s.encoded:
+            return work[a:b], (beta[a:b] if beta is not None else None)
+        assert s.codec is not None and s.ctx is not None
+        v = s.codec.decode(s.payloads[j], b - a, octx(s.ctx, a))
+        return v, s.bounds[j]
+
+    for k, rnd in enumerate(plan[r]):
+        where = f" (round {k} of {len(plan[r])}, schedule {schedule.name})"
+
+        def wait(w: Work, where: str = where) -> None:
+            try:
+                w.wait(timeout)
+            except PeerTimeoutError as exc:
+                raise PeerTimeoutError(str(exc) + where) from exc
+
+        pending: list[Work] = []
+        # 1. post receives: all at once for fixed-size payloads (matched in order); for
+        #    data-dependent sizes one by one in step 3, each after its length header
+        incoming: list[tuple[RecvOp, int, int, int, Any, Any]] = []
+        for op in rnd.recvs:
+            assert rnd.recv_from is not None
+            for j, (a, b) in enumerate(pieces[op.chunk]):
+                size = op.codec.encoded_nbytes(b - a, octx(op.ctx, a))
+                if size is None:
+                    incoming.append((op, j, a, b, None, None))
+                    continue
+                buf = torch.empty(size, dtype=torch.uint8, device=x.device)
+                w_buf = transport.irecv(buf, rnd.recv_from)
+                bnd = wb = None
+                if beta is not None:
+                    g = _group_size(op.codec)
+                    bnd = torch.empty(-(-(b - a) // g), dtype=torch.float64, device=x.device)
+                    wb = transport.irecv(bnd, rnd.recv_from)
+                incoming.append((op, j, a, b, (buf, w_buf), (bnd, wb)))
+        # 2. sends --------------------------------------------------------------------------
+        for sop in rnd.sends:
+            assert rnd.send_to is not None
+            new = _State(True, sop.codec, sop.ctx) if sop.encode else state[sop.chunk]
+            for j, (a, b) in enumerate(pieces[sop.chunk]):
+                if sop.encode:
+                    t = time.perf_counter()
+                    v, vb = local_value(sop.chunk, j, a, b)
+                    c = octx(sop.ctx, a)
+                    payload = sop.codec.encode(v.contiguous(), c)
+                    bnd = None
+                    if beta is not None:
+                        assert vb is not None
+                        bnd = vb + sop.codec.error_bound.max_abs_error(v, c)
+                    new.payloads.append(payload)
+                    new.bounds.append(bnd)
+                    timer.add("encode", t)
+                payload, bnd = new.payloads[j], new.bounds[j]
+                if sop.codec.encoded_nbytes(b - a, octx(sop.ctx, a)) is None:
+                    hdr = torch.tensor([payload.numel()], dtype=torch.int64, device=x.device)
+                    pending.append(transport.isend(hdr, rnd.send_to))
+                    result.bytes_sent += 8
+                pending.append(transport.isend(payload, rnd.send_to))
+                result.bytes_sent += payload.numel()
+                if beta is not None:
+                    assert bnd is not None
+                    packed = _pack_bound(bnd, _group_size(sop.codec))
+                    pending.append(transport.isend(packed, rnd.send_to))
+                    result.bound_bytes_sent += packed.numel() * 8
+            state[sop.chunk] = new
+        # 3. receive and process, sub-chunk by sub-chunk -----------------------------------
+        fresh: dict[int, _State] = {}
+        for op, j, a, b, pay, bnds in incoming:
+            assert rnd.recv_from is not None
+            t = time.perf_counter()
+            if pay is None:  # data-dependent size: the length comes first
+                hdr = torch.empty(1, dtype=torch.int64, device=x.device)
+                wait(transport.irecv(hdr, rnd.recv_from))
+                size = int(hdr[0])
+                limit = 16 * (b - a) + 1024
+                if not 0 <= size <= limit:
+                    raise ValueError(f"rank {r}: bad payload length {size} from {rnd.recv_from}"
+                                     f"{where}")  # fmt: skip
+                buf = torch.empty(size, dtype=torch.uint8, device=x.device)
+                pay = (buf, transport.irecv(buf, rnd.recv_from))
+                bnds = (None, None)
+                if beta is not None:
+                    g = _group_size(op.codec)
+                    bnd_buf = torch.empty(-(-(b - a) // g), dtype=torch.float64, device=x.device)
+                    bnds = (bnd_buf, transport.irecv(bnd_buf, rnd.recv_from))
+                result.bytes_received += 8
+            wait(pay[1])
+            if bnds[1] is not None:
+                wait(bnds[1])
+            t = timer.add("wait", t)
+            payload = pay[0]
+            result.bytes_received += payload.numel()
+            in_ctx = octx(op.ctx, a)
+            pb = None
+            if beta is not None:
+                pb = _unpack_bound(bnds[0], b - a, _group_size(op.codec))
+            st = fresh.setdefault(
+                op.chunk,
+                _State(op.mode != "keep", op.codec, op.out_ctx if op.mode == "fused" else op.ctx),
+            )
+            if op.mode == "copy":
+                st.payloads.append(payload)
+                st.bounds.append(pb)
+            else:
+                local, lb = local_value(op.chunk, j, a, b)
+                if op.mode == "fused":
+                    assert op.out_ctx is not None
+                    out_c = octx(op.out_ctx, a)
+                    st.payloads.append(op.codec.reduce(payload, local.contiguous(), in_ctx, out_c))
+                    if beta is not None:
+                        assert pb is not None and lb is not None
+                        v = op.codec.decode(payload, b - a, in_ctx) + local
+                        st.bounds.append(
+                            pb + lb + _slack(v) + op.codec.error_bound.max_abs_error(v, out_c)
+                        )
+                    else:
+                        st.bounds.append(None)
+                else:
+                    v = op.codec.decode(payload, b - a, in_ctx) + local
+                    work[a:b] = v
+                    if beta is not None:
+                        assert pb is not None and lb is not None
+                        beta[a:b] = pb + lb + _slack(v)
+            timer.add("reduce", t)
+        for ch, st in fresh.items():
+            state[ch] = st
+        t = time.perf_counter()
+        for w in pending:
+            wait(w)
+        timer.add("wait", t)
+
+    # final values: decode what is encoded (the owner decodes its own bytes too)
+    t = time.perf_counter()
+    for ch, s in enumerate(state):
+        if not s.encoded:
+            continue
+        assert s.codec is not None and s.ctx is not None
+        for j, (a, b) in enumerate(pieces[ch]):
+            work[a:b] = s.codec.decode(s.payloads[j], b - a, octx(s.ctx, a))
+            if beta is not None:
+                bj = s.bounds[j]
+                assert bj is not None
+                beta[a:b] = bj
+    timer.add("decode", t)
+    result.output = work
+    result.bound = beta
+    result.seconds = timer.seconds
+    result.seconds["total"] = sum(timer.seconds.values())
+    return result
+
+
+# -- agreement before the first transfer -------------------------------------------------------
+
+
+def _send_blob(transport: Transport, blob: bytes, dst: int) -> list[Work]:
+    data = (
+        torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        if blob
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    return [
+        transport.isend(torch.tensor([len(blob)], dtype=torch.int64), dst),
+        transport.isend(data, dst),
+    ]
+
+
+def _recv_blob(transport: Transport, src: int, timeout: float) -> bytes:
+    hdr = torch.empty(1, dtype=torch.int64)
+    transport.irecv(hdr, src).wait(timeout)
+    size = int(hdr[0])
+    if not 0 <= size <= 1 << 24:
+        raise ConfigMismatchError(f"rank {transport.rank}: malformed handshake from {src}")
+    buf = torch.empty(size, dtype=torch.uint8)
+    transport.irecv(buf, src).wait(timeout)
+    return bytes(buf.numpy().tobytes())
+
+
+def describe_difference(a: dict[str, Any], b: dict[str, Any], ra: int, rb: int) -> str:
+    """Name the first keys on which two descriptors differ."""
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    parts = [f"{k}: rank {ra} has {a.get(k)!r}, rank {rb} has {b.get(k)!r}" for k in keys[:3]]
+    return "; ".join(parts)
+
+
+def agree(transport: Transport, desc: dict[str, Any], timeout: float) -> int:
+    """Check that every rank has the same descriptor; raise on every rank if not.
+
+    Rank 0 gathers the descriptors and sends every rank the verdict. Returns bytes sent.
+    """
+    r, n = transport.rank, transport.world_size
+    if n == 1:
+        return 0
+    mine = json.dumps(desc, sort_keys=True, default=str).encode()
+    sent = 0
+    if r != 0:
+        works = _send_blob(transport, mine, 0)
+        sent += 8 + len(mine)
+        verdict = _recv_blob(transport, 0, timeout).decode()
+        for w in works:
+            w.wait(timeout)
+        if verdict:
+            raise ConfigMismatchError(verdict)
+        return sent
+    problems = []
+    for src in range(1, n):
+        theirs = json.loads(_recv_blob(transport, src, timeout))
+        if theirs != json.loads(mine):
+            problems.append(describe_difference(json.loads(mine), theirs, 0, src))
+    verdict = ("ranks disagree on the collective's configuration: " + " | ".join(problems)
+               if problems else "")  # fmt: skip
+    works = []
+    for dst in range(1, n):
+        works += _send_blob(transport, verdict.encode(), dst)
+        sent += 8 + len(verdict)
+    for w in works:
+        w.wait(timeout)
+    if verdict:
+        raise ConfigMismatchError(verdict)
+    return sent

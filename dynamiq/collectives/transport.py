@@ -1,0 +1,179 @@
+"""Transports: one method per verb, a torch.distributed one and an in-process fake (STYLE.md 10).
+
+A :class:`Transport` moves tensors between the ranks of one collective: ``isend`` and
+``irecv`` return a :class:`Work` whose ``wait(timeout)`` completes the transfer or raises
+:class:`PeerTimeoutError` naming the peer. The engine never touches ``torch.distributed``
+directly, so the same schedule code runs over gloo, NCCL and the in-process
+:class:`LocalTransport` (N ranks as N threads of one process).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "LocalCluster",
+    "LocalTransport",
+    "PeerTimeoutError",
+    "TorchDistTransport",
+    "Transport",
+    "Work",
+]
+
+
+class PeerTimeoutError(TimeoutError):
+    """A peer did not deliver (or accept) data in time: it died, stalled or disagrees."""
+
+
+class Work(Protocol):
+    def wait(self, timeout: float) -> None: ...
+
+
+class Transport(Protocol):
+    """Point-to-point transfers between the ranks ``0 .. world_size - 1`` of a collective."""
+
+    rank: int
+    world_size: int
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        """Start sending ``tensor`` (contiguous) to ``dst``; the tensor must stay alive."""
+        ...
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        """Start receiving into ``tensor`` (its size is the message's size) from ``src``."""
+        ...
+
+
+class _Done:
+    def wait(self, timeout: float) -> None:
+        return None
+
+
+class _LocalRecv:
+    def __init__(self, q: queue.Queue[torch.Tensor], out: torch.Tensor, src: int, dst: int):
+        self.q, self.out, self.src, self.dst = q, out, src, dst
+
+    def wait(self, timeout: float) -> None:
+        try:
+            msg = self.q.get(timeout=timeout)
+        except queue.Empty:
+            raise PeerTimeoutError(
+                f"rank {self.dst}: no data from peer {self.src} within {timeout:g} s"
+            ) from None
+        if msg.numel() != self.out.numel() or msg.dtype != self.out.dtype:
+            raise ValueError(
+                f"rank {self.dst}: message from peer {self.src} has {msg.numel()} "
+                f"{msg.dtype} values, expected {self.out.numel()} {self.out.dtype}"
+            )
+        self.out.copy_(msg.to(self.out.device))
+
+
+class LocalCluster:
+    """Mailboxes shared by the :class:`LocalTransport` of each simulated rank."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.boxes: dict[tuple[int, int], queue.Queue[torch.Tensor]] = {
+            (a, b): queue.Queue() for a in range(world_size) for b in range(world_size)
+        }
+
+    def transport(self, rank: int) -> LocalTransport:
+        return LocalTransport(self, rank)
+
+
+class LocalTransport:
+    """Rank ``rank`` of a :class:`LocalCluster`: sends are buffered copies, receives block."""
+
+    def __init__(self, cluster: LocalCluster, rank: int):
+        self.cluster = cluster
+        self.rank = rank
+        self.world_size = cluster.world_size
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        self.cluster.boxes[(self.rank, dst)].put(tensor.detach().clone())
+        return _Done()
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        return _LocalRecv(self.cluster.boxes[(src, self.rank)], tensor, src, self.rank)
+
+
+class _DistWork:
+    def __init__(self, work: Any, peer: int, rank: int, verb: str):
+        self.work, self.peer, self.rank, self.verb = work, peer, rank, verb
+
+    def wait(self, timeout: float) -> None:
+        try:
+            ok = self.work.wait(timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            raise PeerTimeoutError(
+                f"rank {self.rank}: {self.verb} peer {self.peer} failed or timed out after "
+                f"{timeout:g} s ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            ) from exc
+        if ok is False:
+            raise PeerTimeoutError(
+                f"rank {self.rank}: {self.verb} peer {self.peer} timed out after {timeout:g} s"
+            )
+
+
+class TorchDistTransport:
+    """Point-to-point over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+    ``group`` is a process group (default: the world); ranks of the collective are group
+    ranks, mapped to global ranks for the P2P calls.
+    """
+
+    def __init__(self, group: Any = None):
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialized: call init_process_group first "
+                "(or use simulate_allreduce for an in-process run)"
+            )
+        self.dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._global: Sequence[int] = (
+            list(range(self.world_size))
+            if group is None
+            else [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        )
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        work = self.dist.isend(tensor, dst=self._global[dst], group=self.group)
+        return _DistWork(work, dst, self.rank, "send to")
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        work = self.dist.irecv(tensor, src=self._global[src], group=self.group)
+        return _DistWork(work, src, self.rank, "receive from")
+
+
+def run_threads(world_size: int, fn: Any) -> list[Any]:
+    """Run ``fn(rank)`` in one thread per rank; re-raise the first error (by rank)."""
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def body(r: int) -> None:
+        try:
+            results[r] = fn(r)
+        except BaseException as exc:  # reported below, in the caller's thread
+            errors[r] = exc
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # a root cause beats the timeouts it caused on other ranks
+    first = next((e for e in errors if e is not None and not isinstance(e, PeerTimeoutError)),
+                 next((e for e in errors if e is not None), None))  # fmt: skip
+    if first is not None:
+        raise first
+    return results
