@@ -100,7 +100,7 @@ def slice_errors(grads: torch.Tensor, names: Sequence[str] | None = None) -> lis
                 "id": name,
                 "bits/value": codec.bits_per_value(),
                 "vnmse": sq_err / sq,
-                "bound use": use,
+                "bound use": round(use, 4),
                 f"chain vnmse ({hops} hops)": chain,
                 "seconds": time.perf_counter() - t0,
             }
@@ -156,7 +156,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     w, n = grads.shape
     print(
         f"\nErrors on the committed slice of real gradients ({w} workers x {n} values, "
-        f"kurtosis {stats.get('kurtosis_worker_mean', float('nan')):.1f}):\n"
+        f"per-worker kurtosis {stats['kurtosis']:.0f}, norm max/min "
+        f"{stats['norm_max_min_ratio']:.2f}):\n"
     )
     print(format_table(rows, [c for c in rows[0] if c != "seconds"]))
     held = all(r["bound use"] <= 1.0 for r in rows)

@@ -44,15 +44,19 @@ class PassThroughCodec(Codec):
         return numel * self.dtype.itemsize
 
     def _encode(self, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        if x.numel() == 0:
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
         if x.dtype == self.dtype:
             y = x.clone()
         else:
             big = torch.finfo(self.dtype).max
             xf = x.float()
             y = torch.where(torch.isinf(xf), xf, xf.clamp(-big, big)).to(self.dtype)
-        return y.view(torch.uint8)
+        return y.contiguous().view(torch.uint8)
 
     def _decode(self, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
+        if numel == 0:
+            return torch.empty(0, dtype=torch.float32, device=payload.device)
         return payload.view(self.dtype).float()
 
     @property

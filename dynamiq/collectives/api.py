@@ -250,7 +250,7 @@ def simulate_allreduce(
         stats.bound = bound
         return stats
 
-    stats = run_threads(n, rank)
+    stats = run_threads(n, rank, on_error=cluster.aborted.set)
     exact = torch.stack([t.reshape(-1).double() for t in tensors]).sum(dim=0)
     if op == "avg":
         exact = exact / n

@@ -377,6 +377,8 @@ def run_schedule(
                     packed = _pack_bound(bnd, _group_size(sop.codec))
                     pending.append(transport.isend(packed, rnd.send_to))
                     result.bound_bytes_sent += packed.numel() * 8
+                    # keep what the receiver gets, so every rank ends with the same bound
+                    new.bounds[j] = _unpack_bound(packed, b - a, _group_size(sop.codec))
             state[sop.chunk] = new
         # 3. receive and process, sub-chunk by sub-chunk -----------------------------------
         fresh: dict[int, _State] = {}

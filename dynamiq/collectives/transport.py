@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
@@ -56,16 +57,25 @@ class _Done:
 
 
 class _LocalRecv:
-    def __init__(self, q: queue.Queue[torch.Tensor], out: torch.Tensor, src: int, dst: int):
-        self.q, self.out, self.src, self.dst = q, out, src, dst
+    def __init__(self, cluster: LocalCluster, out: torch.Tensor, src: int, dst: int):
+        self.cluster, self.out, self.src, self.dst = cluster, out, src, dst
+        self.q = cluster.boxes[(src, dst)]
 
     def wait(self, timeout: float) -> None:
-        try:
-            msg = self.q.get(timeout=timeout)
-        except queue.Empty:
-            raise PeerTimeoutError(
-                f"rank {self.dst}: no data from peer {self.src} within {timeout:g} s"
-            ) from None
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.cluster.aborted.is_set():
+                raise PeerTimeoutError(
+                    f"rank {self.dst}: gave up waiting for peer {self.src}: another rank failed"
+                )
+            try:
+                msg = self.q.get(timeout=min(0.05, max(deadline - time.monotonic(), 0.0)))
+                break
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise PeerTimeoutError(
+                        f"rank {self.dst}: no data from peer {self.src} within {timeout:g} s"
+                    ) from None
         if msg.numel() != self.out.numel() or msg.dtype != self.out.dtype:
             raise ValueError(
                 f"rank {self.dst}: message from peer {self.src} has {msg.numel()} "
@@ -82,6 +92,8 @@ class LocalCluster:
         self.boxes: dict[tuple[int, int], queue.Queue[torch.Tensor]] = {
             (a, b): queue.Queue() for a in range(world_size) for b in range(world_size)
         }
+        #: set when a rank fails, so that the others stop waiting for it at once
+        self.aborted = threading.Event()
 
     def transport(self, rank: int) -> LocalTransport:
         return LocalTransport(self, rank)
@@ -100,7 +112,7 @@ class LocalTransport:
         return _Done()
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
-        return _LocalRecv(self.cluster.boxes[(src, self.rank)], tensor, src, self.rank)
+        return _LocalRecv(self.cluster, tensor, src, self.rank)
 
 
 class _DistWork:
@@ -155,8 +167,10 @@ class TorchDistTransport:
         return _DistWork(work, src, self.rank, "receive from")
 
 
-def run_threads(world_size: int, fn: Any) -> list[Any]:
-    """Run ``fn(rank)`` in one thread per rank; re-raise the first error (by rank)."""
+def run_threads(world_size: int, fn: Any, on_error: Any = None) -> list[Any]:
+    """Run ``fn(rank)`` in one thread per rank; re-raise the first error (by rank).
+
+    ``on_error()`` is called as soon as any rank fails (e.g. to abort the others' waits)."""
     results: list[Any] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
 
@@ -165,6 +179,8 @@ def run_threads(world_size: int, fn: Any) -> list[Any]:
             results[r] = fn(r)
         except BaseException as exc:  # reported below, in the caller's thread
             errors[r] = exc
+            if on_error is not None:
+                on_error()
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
     for t in threads:
