@@ -59,7 +59,7 @@ def test_gloo_matches_simulator_bit_for_bit(world: int) -> None:
         sim = simulate_allreduce(_inputs(world), codec, schedule, seed=7, sub_chunk=256,
                                  schedule_options=_options(schedule, world))  # fmt: skip
         for r, (_, per_case) in enumerate(results):
-            x, bound, sent, received = per_case[i]
+            x, bound, sent, _ = per_case[i]
             assert torch.equal(x, sim.outputs[r]), (codec, schedule, r)
             assert torch.equal(bound, sim.bound), (codec, schedule, r)
             assert sent == sim.bytes_sent[r]
