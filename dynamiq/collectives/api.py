@@ -172,6 +172,7 @@ def allreduce(
     timeout: float = 300.0,
     transport: Transport | None = None,
     schedule_options: dict[str, Any] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> AllReduceStats | AllReduceHandle:
     """Compressed all-reduce of ``tensor`` in place over ``group`` (torch.distributed).
 
@@ -181,6 +182,8 @@ def allreduce(
     flattened contents. Buffers under ``threshold`` elements go uncompressed (fp32).
     A peer that dies or stalls raises :class:`PeerTimeoutError` within ``timeout`` seconds;
     ranks that disagree on the configuration raise :class:`ConfigMismatchError`.
+    ``residual`` (fp32, same number of elements) accumulates what this rank's encodings lost
+    (for error feedback; see :mod:`dynamiq.ddp`).
     """
     _check_tensor(tensor)
     if op not in _OPS:
@@ -193,7 +196,7 @@ def allreduce(
         res = run_schedule(
             tr, tensor.reshape(-1), c, sched, seed=seed, step=step, sub_chunk=sub_chunk,
             return_bound=return_bound, timeout=timeout,
-            descriptor={"op": op, "dtype": str(tensor.dtype)},
+            descriptor={"op": op, "dtype": str(tensor.dtype)}, residual=residual,
         )  # fmt: skip
         bound = _finish(tensor, res, op, tr.world_size)
         stats = AllReduceStats.from_result(res, c, sched)

@@ -271,8 +271,13 @@ def run_schedule(
     base_offset: int = 0,
     descriptor: dict[str, Any] | None = None,
     plan: list[list[RoundPlan]] | None = None,
+    residual: torch.Tensor | None = None,
 ) -> EngineResult:
     """All-reduce (sum) the 1-D tensor ``x`` of this rank; returns the fp32 result.
+
+    ``residual`` (fp32, ``x.numel()``), when given, accumulates ``v - decode(encode(v))`` of
+    every value this rank encodes, at its positions: its own contribution and the partial
+    sums it re-encodes (error feedback adds it to the next step's gradient).
 
     ``descriptor`` is compared across ranks before the first transfer (a mismatch raises
     :class:`ConfigMismatchError` on every rank). ``timeout`` bounds every wait on a peer.
@@ -358,6 +363,8 @@ def run_schedule(
                     v, vb = local_value(sop.chunk, j, a, b)
                     c = octx(sop.ctx, a)
                     payload = sop.codec.encode(v.contiguous(), c)
+                    if residual is not None:
+                        residual[a:b] += v - sop.codec.decode(payload, b - a, c)
                     bnd = None
                     if beta is not None:
                         assert vb is not None
@@ -423,7 +430,11 @@ def run_schedule(
                 if op.mode == "fused":
                     assert op.out_ctx is not None
                     out_c = octx(op.out_ctx, a)
-                    st.payloads.append(op.codec.reduce(payload, local.contiguous(), in_ctx, out_c))
+                    out_payload = op.codec.reduce(payload, local.contiguous(), in_ctx, out_c)
+                    st.payloads.append(out_payload)
+                    if residual is not None:
+                        v = op.codec.decode(payload, b - a, in_ctx) + local
+                        residual[a:b] += v - op.codec.decode(out_payload, b - a, out_c)
                     if beta is not None:
                         assert pb is not None and lb is not None
                         v = op.codec.decode(payload, b - a, in_ctx) + local
