@@ -147,8 +147,15 @@ class DynamiqState:
     def _record(self, info: dict[str, Any]) -> None:
         with self._lock:
             if not self.stats or self.stats[-1]["step"] != info["step"]:
-                self.stats.append({"step": info["step"], "bytes_sent": 0, "bytes_received": 0,
-                                   "seconds": {}, "buckets": 0})  # fmt: skip
+                self.stats.append(
+                    {
+                        "step": info["step"],
+                        "bytes_sent": 0,
+                        "bytes_received": 0,
+                        "seconds": {},
+                        "buckets": 0,
+                    }
+                )
             rec = self.stats[-1]
             rec["bytes_sent"] += info["bytes_sent"]
             rec["bytes_received"] += info["bytes_received"]
@@ -195,11 +202,19 @@ def dynamiq_hook(
         try:
             t0 = time.perf_counter()
             stats = allreduce(
-                work, state.codec, state.schedule, seed=state.seed ^ (index << 20),
-                step=step, op="avg", threshold=state.threshold, sub_chunk=state.sub_chunk,
-                timeout=state.timeout, transport=state.transport,
-                schedule_options=state.schedule_options, residual=residual,
-            )  # fmt: skip
+                work,
+                state.codec,
+                state.schedule,
+                seed=state.seed ^ (index << 20),
+                step=step,
+                op="avg",
+                threshold=state.threshold,
+                sub_chunk=state.sub_chunk,
+                timeout=state.timeout,
+                transport=state.transport,
+                schedule_options=state.schedule_options,
+                residual=residual,
+            )
             assert isinstance(stats, AllReduceStats)  # synchronous on this thread
             if residual is not None:
                 with state._lock:

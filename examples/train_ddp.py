@@ -23,10 +23,10 @@ from dynamiq.bench.ddp_train import TrainConfig, train
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--codec", default="mxfp8_e4m3",
-                        help="codec id or JSON config, or 'none' for plain DDP")  # fmt: skip
-    parser.add_argument("--schedule", default="ring",
-                        help="ring, butterfly, tree or hierarchical")  # fmt: skip
+    parser.add_argument(
+        "--codec", default="mxfp8_e4m3", help="codec id or JSON config, or 'none' for plain DDP"
+    )
+    parser.add_argument("--schedule", default="ring", help="ring, butterfly, tree or hierarchical")
     parser.add_argument("--steps", type=int, default=100, help="training steps")
     parser.add_argument("--error-feedback", action="store_true", help="keep encoding residuals")
     parser.add_argument("--json", metavar="FILE", help="write losses and hook stats (rank 0)")
@@ -44,9 +44,11 @@ def main() -> None:
     if rank == 0:
         last = sum(result.losses[-20:]) / len(result.losses[-20:])
         sent = sum(s["bytes_sent"] for s in result.hook_stats)
-        print(f"{backend}, {world} ranks, codec {args.codec}, {args.schedule}: "
-              f"final loss {last:.4f} after {args.steps} steps, {result.seconds:.1f} s, "
-              f"{sent / max(len(result.hook_stats), 1) / 1e6:.3f} MB sent per step by rank 0")  # fmt: skip
+        print(
+            f"{backend}, {world} ranks, codec {args.codec}, {args.schedule}: "
+            f"final loss {last:.4f} after {args.steps} steps, {result.seconds:.1f} s, "
+            f"{sent / max(len(result.hook_stats), 1) / 1e6:.3f} MB sent per step by rank 0"
+        )
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"losses": result.losses, "hook_stats": result.hook_stats}, f)

@@ -23,8 +23,9 @@ CFG = TrainConfig(d_model=32, n_layers=2, n_heads=4, seq_len=32, batch=4, steps=
 def _grads(hook: str | None, options: dict | None, dtype: torch.dtype = torch.float32) -> list:
     """One forward/backward of rank's batch through DDP; the averaged gradients."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mcfg = ModelConfig(d_model=CFG.d_model, n_layers=CFG.n_layers, n_heads=CFG.n_heads,
-                       seq_len=CFG.seq_len)  # fmt: skip
+    mcfg = ModelConfig(
+        d_model=CFG.d_model, n_layers=CFG.n_layers, n_heads=CFG.n_heads, seq_len=CFG.seq_len
+    )
     model = build_model(mcfg, 0).to(dtype)
     ddp = DDP(model, bucket_cap_mb=0.05)
     state = None
@@ -43,8 +44,9 @@ def _grads(hook: str | None, options: dict | None, dtype: torch.dtype = torch.fl
 
 def _local_grads() -> list:
     rank, world = dist.get_rank(), dist.get_world_size()
-    mcfg = ModelConfig(d_model=CFG.d_model, n_layers=CFG.n_layers, n_heads=CFG.n_heads,
-                       seq_len=CFG.seq_len)  # fmt: skip
+    mcfg = ModelConfig(
+        d_model=CFG.d_model, n_layers=CFG.n_layers, n_heads=CFG.n_heads, seq_len=CFG.seq_len
+    )
     model = build_model(mcfg, 0)
     model.loss(_batch(doc_text(), CFG, rank, world, 0)).backward()
     return [p.grad.detach().clone() for p in model.parameters()]
@@ -77,8 +79,10 @@ def test_fp32_hook_equals_plain_ddp(world: int) -> None:
                 diff = (plain.double() - hooked.double()).abs()
                 assert bool((diff <= slack / world + 2.0**-140).all())
     # and every rank has the same gradients
-    assert all(torch.equal(a, b) for a, b in zip(results[0][1]["hooked"], results[1][1]["hooked"],
-                                                  strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(results[0][1]["hooked"], results[1][1]["hooked"], strict=True)
+    )
 
 
 def _job_train(rank: int, world: int, hook: str | None, options: dict | None) -> list:
@@ -121,8 +125,9 @@ def _job_overlap(rank: int, world: int) -> dict:
 
     ddp_mod.allreduce = gated_allreduce
 
-    def hook(state: ddp_mod.DynamiqState, bucket: dist.GradBucket
-             ) -> torch.futures.Future[torch.Tensor]:  # fmt: skip
+    def hook(
+        state: ddp_mod.DynamiqState, bucket: dist.GradBucket
+    ) -> torch.futures.Future[torch.Tensor]:
         fut = ddp_mod.dynamiq_hook(state, bucket)
         if bucket.is_last():
             gate["t_last_hook"] = time.perf_counter()
@@ -179,7 +184,7 @@ def _job_state(rank: int, world: int) -> dict:
             "residual_norm": float(sum(v.norm() for v in sd["residuals"].values())),
             "restored": all(
                 torch.equal(sd["residuals"][k], fresh.residuals[k]) for k in sd["residuals"]
-            ),  # fmt: skip
+            ),
             "steps_recorded": len(state.stats),
             "bytes": [s["bytes_sent"] for s in state.stats],
             "checksum": float(sum(p.double().sum() for p in model.parameters())),

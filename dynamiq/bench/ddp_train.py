@@ -74,13 +74,20 @@ def train(
     """Train with DDP (process group already initialised). ``hook``: None (plain DDP),
     ``"dynamiq"`` (``hook_options`` go to :class:`~dynamiq.ddp.DynamiqState`), or one of
     PyTorch's ``"bf16"`` / ``"powersgd"`` hooks."""
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if torch.cuda.is_available() \
-        else torch.device("cpu")  # fmt: skip
-    mcfg = ModelConfig(d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                       seq_len=cfg.seq_len)  # fmt: skip
+    device = (
+        torch.device("cuda", rank % torch.cuda.device_count())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    mcfg = ModelConfig(
+        d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads, seq_len=cfg.seq_len
+    )
     model = build_model(mcfg, cfg.seed).to(device=device, dtype=dtype)
-    ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb,
-              device_ids=[device.index] if device.type == "cuda" else None)  # fmt: skip
+    ddp = DDP(
+        model,
+        bucket_cap_mb=cfg.bucket_cap_mb,
+        device_ids=[device.index] if device.type == "cuda" else None,
+    )
     state: Any = None
     if hook == "dynamiq":
         from dynamiq.ddp import DynamiqState, dynamiq_hook

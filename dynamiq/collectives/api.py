@@ -189,15 +189,24 @@ def allreduce(
     if op not in _OPS:
         raise ValueError(f"op must be one of 'sum', 'avg' (got {op!r})")
     tr = transport or TorchDistTransport(group)
-    c, sched = _resolve(codec, schedule, tr.world_size, tensor.numel(), threshold,
-                        **(schedule_options or {}))  # fmt: skip
+    c, sched = _resolve(
+        codec, schedule, tr.world_size, tensor.numel(), threshold, **(schedule_options or {})
+    )
 
     def run() -> AllReduceStats:
         res = run_schedule(
-            tr, tensor.reshape(-1), c, sched, seed=seed, step=step, sub_chunk=sub_chunk,
-            return_bound=return_bound, timeout=timeout,
-            descriptor={"op": op, "dtype": str(tensor.dtype)}, residual=residual,
-        )  # fmt: skip
+            tr,
+            tensor.reshape(-1),
+            c,
+            sched,
+            seed=seed,
+            step=step,
+            sub_chunk=sub_chunk,
+            return_bound=return_bound,
+            timeout=timeout,
+            descriptor={"op": op, "dtype": str(tensor.dtype)},
+            residual=residual,
+        )
         bound = _finish(tensor, res, op, tr.world_size)
         stats = AllReduceStats.from_result(res, c, sched)
         stats.bound = bound
@@ -237,17 +246,26 @@ def simulate_allreduce(
         raise ValueError(f"all ranks' tensors must have the same shape (got {sorted(shapes)})")
     if op not in _OPS:
         raise ValueError(f"op must be one of 'sum', 'avg' (got {op!r})")
-    c, sched = _resolve(codec, schedule, n, tensors[0].numel(), threshold,
-                        **(schedule_options or {}))  # fmt: skip
+    c, sched = _resolve(
+        codec, schedule, n, tensors[0].numel(), threshold, **(schedule_options or {})
+    )
     plan = plan_schedule(sched, c, seed=seed, step=step)
     cluster = LocalCluster(n)
     outs = [t.detach().clone() for t in tensors]
 
     def rank(r: int) -> AllReduceStats:
         res = run_schedule(
-            cluster.transport(r), outs[r].reshape(-1), c, sched, seed=seed, step=step,
-            sub_chunk=sub_chunk, return_bound=return_bound, timeout=timeout, plan=plan,
-        )  # fmt: skip
+            cluster.transport(r),
+            outs[r].reshape(-1),
+            c,
+            sched,
+            seed=seed,
+            step=step,
+            sub_chunk=sub_chunk,
+            return_bound=return_bound,
+            timeout=timeout,
+            plan=plan,
+        )
         bound = _finish(outs[r], res, op, n)
         stats = AllReduceStats.from_result(res, c, sched)
         stats.bound = bound

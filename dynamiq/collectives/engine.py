@@ -139,8 +139,15 @@ def plan_schedule(
 
         def ctx(r: int, ch: int, level: int, contrib: int) -> HopContext:
             h = num_hops[ch] if num_hops else level + 1
-            return HopContext(seed=seed, step=step, hop=level, num_hops=max(h, level + 1),
-                              rank=r, contributions=contrib, world_size=n)  # fmt: skip
+            return HopContext(
+                seed=seed,
+                step=step,
+                hop=level,
+                num_hops=max(h, level + 1),
+                rank=r,
+                contributions=contrib,
+                world_size=n,
+            )
 
         for k in range(schedule.num_rounds):
             outgoing: dict[int, dict[int, _Sym]] = {}
@@ -398,8 +405,9 @@ def run_schedule(
                 size = int(hdr[0])
                 limit = 16 * (b - a) + 1024
                 if not 0 <= size <= limit:
-                    raise ValueError(f"rank {r}: bad payload length {size} from {rnd.recv_from}"
-                                     f"{where}")  # fmt: skip
+                    raise ValueError(
+                        f"rank {r}: bad payload length {size} from {rnd.recv_from}{where}"
+                    )
                 buf = torch.empty(size, dtype=torch.uint8, device=x.device)
                 pay = (buf, transport.irecv(buf, rnd.recv_from))
                 bnds = (None, None)
@@ -534,8 +542,11 @@ def agree(transport: Transport, desc: dict[str, Any], timeout: float) -> int:
         theirs = json.loads(_recv_blob(transport, src, timeout))
         if theirs != json.loads(mine):
             problems.append(describe_difference(json.loads(mine), theirs, 0, src))
-    verdict = ("ranks disagree on the collective's configuration: " + " | ".join(problems)
-               if problems else "")  # fmt: skip
+    verdict = (
+        "ranks disagree on the collective's configuration: " + " | ".join(problems)
+        if problems
+        else ""
+    )
     works = []
     for dst in range(1, n):
         works += _send_blob(transport, verdict.encode(), dst)

@@ -113,12 +113,18 @@ class Schedule:
         """A hash of the whole schedule: equal digests mean equal schedules."""
         data = [
             [
-                [st.send_to, st.send_chunks, st.recv_from, st.recv_chunks, st.action,
-                 _codec_key(st.codec)]
+                [
+                    st.send_to,
+                    st.send_chunks,
+                    st.recv_from,
+                    st.recv_chunks,
+                    st.action,
+                    _codec_key(st.codec),
+                ]
                 for st in rank_steps
             ]
             for rank_steps in self.steps
-        ]  # fmt: skip
+        ]
         blob = json.dumps([self.world_size, self.num_chunks, data], sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -155,8 +161,10 @@ def validate(s: Schedule) -> None:
                 raise ScheduleError(f"{where}: expected a Step (got {type(st).__name__})")
             if st.action not in ("reduce", "copy"):
                 raise ScheduleError(f"{where}: action must be 'reduce' or 'copy' ({st.action!r})")
-            for peer, chunks, verb in ((st.send_to, st.send_chunks, "send"),
-                                       (st.recv_from, st.recv_chunks, "recv")):  # fmt: skip
+            for peer, chunks, verb in (
+                (st.send_to, st.send_chunks, "send"),
+                (st.recv_from, st.recv_chunks, "recv"),
+            ):
                 if peer is None:
                     if chunks:
                         raise ScheduleError(f"{where}: {verb} chunks without a peer")
@@ -337,8 +345,9 @@ def hierarchical(world_size: int, ranks_per_node: int = 2, intra_codec: Any = No
             if st.send_to is not None:
                 _pair(t, g - 1 + k, lead, st.send_to * g, st.send_chunks, st.action)
         for s in range(g - 1):
-            _pair(t, g - 1 + inter.num_rounds + s, lead + s, lead + s + 1, chunks, "copy",
-                  intra_codec)  # fmt: skip
+            _pair(
+                t, g - 1 + inter.num_rounds + s, lead + s, lead + s + 1, chunks, "copy", intra_codec
+            )
     return Schedule(f"hierarchical(g={g})", n, m, tuple(map(tuple, t)))
 
 

@@ -188,8 +188,10 @@ def run_threads(world_size: int, fn: Any, on_error: Any = None) -> list[Any]:
     for t in threads:
         t.join()
     # a root cause beats the timeouts it caused on other ranks
-    first = next((e for e in errors if e is not None and not isinstance(e, PeerTimeoutError)),
-                 next((e for e in errors if e is not None), None))  # fmt: skip
+    first = next(
+        (e for e in errors if e is not None and not isinstance(e, PeerTimeoutError)),
+        next((e for e in errors if e is not None), None),
+    )
     if first is not None:
         raise first
     return results

@@ -111,8 +111,14 @@ def test_special_blocks(name: str) -> None:
 
 
 def test_wire_sizes_and_bits_per_value() -> None:
-    expected = {"mxfp8_e4m3": 8.25, "mxfp8_e5m2": 8.25, "mxfp6_e3m2": 6.25,
-                "mxfp6_e2m3": 6.25, "mxfp4": 4.25, "mxint8": 8.25}  # fmt: skip
+    expected = {
+        "mxfp8_e4m3": 8.25,
+        "mxfp8_e5m2": 8.25,
+        "mxfp6_e3m2": 6.25,
+        "mxfp6_e2m3": 6.25,
+        "mxfp4": 4.25,
+        "mxint8": 8.25,
+    }
     for name, bpv in expected.items():
         codec = get_codec(name)
         assert codec.bits_per_value() == bpv

@@ -15,10 +15,23 @@ from dynamiq.codecs import Codec, IntCodec, UnknownCodecError, get_codec, list_c
 from dynamiq.codecs import registry as reg
 
 BUILTIN = {
-    "fp32", "bf16", "fp16",
-    "int2", "int3", "int4", "int5", "int6", "int7", "int8",
-    "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "mxint8",
-}  # fmt: skip
+    "fp32",
+    "bf16",
+    "fp16",
+    "int2",
+    "int3",
+    "int4",
+    "int5",
+    "int6",
+    "int7",
+    "int8",
+    "mxfp8_e4m3",
+    "mxfp8_e5m2",
+    "mxfp6_e3m2",
+    "mxfp6_e2m3",
+    "mxfp4",
+    "mxint8",
+}
 
 
 def test_builtins_listed() -> None:

@@ -40,8 +40,16 @@ def _job_cases(rank: int, world: int) -> list:
     out = []
     for codec, schedule in CASES:
         x = _inputs(world)[rank].clone()
-        st = allreduce(x, codec, schedule, seed=7, return_bound=True, sub_chunk=256,
-                       schedule_options=_options(schedule, world), timeout=30)  # fmt: skip
+        st = allreduce(
+            x,
+            codec,
+            schedule,
+            seed=7,
+            return_bound=True,
+            sub_chunk=256,
+            schedule_options=_options(schedule, world),
+            timeout=30,
+        )
         out.append((x, st.bound, st.bytes_sent, st.bytes_received))
     # async handle and AVG on bf16
     xb = _inputs(world)[rank].bfloat16()
@@ -56,8 +64,14 @@ def test_gloo_matches_simulator_bit_for_bit(world: int) -> None:
     results = run_gloo(_job_cases, world, timeout=240)
     assert all(status == "ok" for status, _ in results), results
     for i, (codec, schedule) in enumerate(CASES):
-        sim = simulate_allreduce(_inputs(world), codec, schedule, seed=7, sub_chunk=256,
-                                 schedule_options=_options(schedule, world))  # fmt: skip
+        sim = simulate_allreduce(
+            _inputs(world),
+            codec,
+            schedule,
+            seed=7,
+            sub_chunk=256,
+            schedule_options=_options(schedule, world),
+        )
         for r, (_, per_case) in enumerate(results):
             x, bound, sent, _ = per_case[i]
             assert torch.equal(x, sim.outputs[r]), (codec, schedule, r)
@@ -65,8 +79,7 @@ def test_gloo_matches_simulator_bit_for_bit(world: int) -> None:
             assert sent == sim.bytes_sent[r]
         err = (sim.outputs[0].double() - sim.exact).abs()
         assert bool((err <= sim.bound).all())
-    sim = simulate_allreduce([x.bfloat16() for x in _inputs(world)], "mxfp8_e4m3", "ring",
-                             op="avg")  # fmt: skip
+    sim = simulate_allreduce([x.bfloat16() for x in _inputs(world)], "mxfp8_e4m3", "ring", op="avg")
     for _, per_case in results:
         assert torch.equal(per_case[-1][0], sim.outputs[0])
 

@@ -23,13 +23,15 @@ def _options(schedule: str, n: int, intra: str | None = "fp32") -> dict | None:
 
 def _inputs(n: int, numel: int, seed: int, scale_spread: int) -> list[torch.Tensor]:
     rng = np.random.default_rng(seed)
-    base = rng.standard_normal(numel) * np.exp2(rng.integers(-scale_spread, scale_spread + 1,
-                                                            numel))  # fmt: skip
+    base = rng.standard_normal(numel) * np.exp2(
+        rng.integers(-scale_spread, scale_spread + 1, numel)
+    )
     return [
-        torch.from_numpy((base * rng.uniform(0.5, 1.5) + rng.standard_normal(numel)).astype(
-            np.float32))
+        torch.from_numpy(
+            (base * rng.uniform(0.5, 1.5) + rng.standard_normal(numel)).astype(np.float32)
+        )
         for _ in range(n)
-    ]  # fmt: skip
+    ]
 
 
 def _expected_bytes(codec_name: str, schedule, res, numel: int, sub_chunk: int) -> list[int]:
@@ -71,8 +73,9 @@ def test_invariants(
 ) -> None:
     xs = _inputs(n, numel, seed, spread)
     opts = _options(schedule, n)
-    res = simulate_allreduce(xs, codec, schedule, seed=seed, sub_chunk=sub_chunk,
-                             schedule_options=opts)  # fmt: skip
+    res = simulate_allreduce(
+        xs, codec, schedule, seed=seed, sub_chunk=sub_chunk, schedule_options=opts
+    )
     # every rank bit-identical
     for out in res.outputs[1:]:
         assert torch.equal(out.view(torch.int32), res.outputs[0].view(torch.int32))
@@ -85,8 +88,9 @@ def test_invariants(
     received = sum(s.bytes_received for s in res.stats)
     assert received == sum(res.bytes_sent)
     # the result does not depend on the sub-chunk size
-    other = simulate_allreduce(xs, codec, schedule, seed=seed, sub_chunk=64,
-                               schedule_options=opts, return_bound=False)  # fmt: skip
+    other = simulate_allreduce(
+        xs, codec, schedule, seed=seed, sub_chunk=64, schedule_options=opts, return_bound=False
+    )
     assert torch.equal(other.outputs[0].view(torch.int32), res.outputs[0].view(torch.int32))
 
 
