@@ -1,6 +1,15 @@
 """Multi-hop all-reduce: any codec × any schedule × torch.distributed or the simulator."""
 
-from .api import AllReduceHandle, AllReduceStats, SimResult, allreduce, simulate_allreduce
+from .api import (
+    AllReduceHandle,
+    AllReduceStats,
+    Shard,
+    SimResult,
+    all_gather,
+    allreduce,
+    reduce_scatter,
+    simulate_allreduce,
+)
 from .engine import WIRE_VERSION, ConfigMismatchError, plan_schedule, run_schedule
 from .schedules import (
     Schedule,
@@ -25,15 +34,18 @@ __all__ = [
     "PeerTimeoutError",
     "Schedule",
     "ScheduleError",
+    "Shard",
     "SimResult",
     "Step",
     "TorchDistTransport",
+    "all_gather",
     "allreduce",
     "butterfly",
     "get_schedule",
     "hierarchical",
     "list_schedules",
     "plan_schedule",
+    "reduce_scatter",
     "ring",
     "run_schedule",
     "simulate_allreduce",

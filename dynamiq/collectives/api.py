@@ -12,15 +12,18 @@ import torch
 from dynamiq.codecs import Codec, get_codec
 from dynamiq.codecs.base import FLOAT_DTYPES
 
-from .engine import EngineResult, plan_schedule, run_schedule
+from .engine import EngineResult, chunk_layout, plan_schedule, run_schedule
 from .schedules import Schedule, get_schedule
 from .transport import LocalCluster, TorchDistTransport, Transport, run_threads
 
 __all__ = [
     "AllReduceHandle",
     "AllReduceStats",
+    "Shard",
     "SimResult",
+    "all_gather",
     "allreduce",
+    "reduce_scatter",
     "simulate_allreduce",
 ]
 
@@ -286,3 +289,124 @@ def simulate_allreduce(
         bound=stats[0].bound,
         stats=stats,
     )
+
+
+@dataclass
+class Shard:
+    """What :func:`reduce_scatter` leaves a rank: the finished sums of the chunks it owns.
+
+    ``values`` (fp32) concatenates the ranges ``ranges`` (``[start, end)`` element offsets of
+    the flattened tensor, in order); ``numel`` is the full tensor's size. With ``ring`` and
+    ``butterfly`` rank ``r`` owns chunk ``r``; with ``tree`` rank 0 owns everything.
+    """
+
+    values: torch.Tensor
+    ranges: list[tuple[int, int]]
+    numel: int
+    stats: AllReduceStats | None = None
+
+
+def _owned_ranges(
+    sched: Schedule, codec: Codec, numel: int, sub_chunk: int, rank: int
+) -> tuple[list[int], list[tuple[int, int]]]:
+    bounds, _ = chunk_layout(numel, sched, codec, sub_chunk)
+    chunks = sched.owned_chunks(rank)
+    return chunks, [bounds[c] for c in chunks]
+
+
+def reduce_scatter(
+    tensor: torch.Tensor,
+    codec: Any = "fp32",
+    schedule: str | Schedule = "ring",
+    group: Any = None,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    op: str = "sum",
+    sub_chunk: int = 1 << 18,
+    timeout: float = 300.0,
+    transport: Transport | None = None,
+    schedule_options: dict[str, Any] | None = None,
+) -> Shard:
+    """The reduce-scatter half: every rank gets the finished sum of the chunks it owns.
+
+    The sums are the very values :func:`allreduce` would give (same codec, schedule, seed).
+    ``tensor`` is not modified.
+    """
+    _check_tensor(tensor)
+    if op not in _OPS:
+        raise ValueError(f"op must be one of 'sum', 'avg' (got {op!r})")
+    tr = transport or TorchDistTransport(group)
+    c = get_codec(codec)
+    sched = get_schedule(schedule, tr.world_size, **(schedule_options or {}))
+    numel = tensor.numel()
+    chunks, ranges = _owned_ranges(sched, c, numel, sub_chunk, tr.rank)
+    res = run_schedule(
+        tr,
+        tensor.reshape(-1),
+        c,
+        sched,
+        seed=seed,
+        step=step,
+        sub_chunk=sub_chunk,
+        timeout=timeout,
+        rounds=(0, sched.reduce_rounds),
+        outputs=chunks,
+        descriptor={"op": op, "dtype": str(tensor.dtype), "collective": "reduce_scatter"},
+    )
+    parts = [res.output[a:b] for a, b in ranges]
+    values = torch.cat(parts) if parts else torch.empty(0)
+    if op == "avg":
+        values = values / tr.world_size
+    return Shard(values, ranges, numel, AllReduceStats.from_result(res, c, sched))
+
+
+def all_gather(
+    shard: Shard,
+    codec: Any = "fp32",
+    schedule: str | Schedule = "ring",
+    group: Any = None,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    sub_chunk: int = 1 << 18,
+    timeout: float = 300.0,
+    transport: Transport | None = None,
+    schedule_options: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, AllReduceStats]:
+    """The all-gather half: every rank gets every rank's shard (fp32, flattened), encoded
+    once by its owner and forwarded as bytes, so all ranks end bit-identical.
+
+    ``shard`` holds this rank's owned ranges, laid out as :func:`reduce_scatter` returns them
+    (same codec, schedule and ``sub_chunk``).
+    """
+    tr = transport or TorchDistTransport(group)
+    c = get_codec(codec)
+    sched = get_schedule(schedule, tr.world_size, **(schedule_options or {}))
+    _, ranges = _owned_ranges(sched, c, shard.numel, sub_chunk, tr.rank)
+    if ranges != list(shard.ranges):
+        raise ValueError(
+            f"shard ranges {shard.ranges} are not the ranges rank {tr.rank} owns under this "
+            f"codec, schedule and sub_chunk: {ranges}"
+        )
+    want = sum(b - a for a, b in ranges)
+    if shard.values.numel() != want:
+        raise ValueError(f"shard has {shard.values.numel()} values, its ranges hold {want}")
+    full = torch.zeros(shard.numel, dtype=torch.float32, device=shard.values.device)
+    pos = 0
+    for a, b in ranges:
+        full[a:b] = shard.values[pos : pos + b - a]
+        pos += b - a
+    res = run_schedule(
+        tr,
+        full,
+        c,
+        sched,
+        seed=seed,
+        step=step,
+        sub_chunk=sub_chunk,
+        timeout=timeout,
+        rounds=(sched.reduce_rounds, sched.num_rounds),
+        descriptor={"collective": "all_gather"},
+    )
+    return res.output, AllReduceStats.from_result(res, c, sched)

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,9 @@ __all__ = [
     "WIRE_VERSION",
     "ConfigMismatchError",
     "EngineResult",
+    "PrologueComm",
     "chunk_bounds",
+    "chunk_layout",
     "plan_schedule",
     "run_schedule",
 ]
@@ -103,12 +106,21 @@ class _Sym:
 
 
 def plan_schedule(
-    schedule: Schedule, codec: Codec, *, seed: int = 0, step: int = 0
+    schedule: Schedule,
+    codec: Codec,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    rounds: tuple[int, int] | None = None,
 ) -> list[list[RoundPlan]]:
     """What every rank does in every round, with the hop context of every encoding.
 
-    Pure function of its arguments: every rank computes the same plan.
+    ``rounds=(start, stop)`` plans only those rounds; a plan that starts after the reduce
+    phase (an all-gather alone) assumes each rank holds the finished sums of the chunks it
+    owns. Pure function of its arguments: every rank computes the same plan.
     """
+    start, stop = rounds if rounds is not None else (0, schedule.num_rounds)
+    gather_only = start > 0 and start >= schedule.reduce_rounds
     n = schedule.world_size
     codecs: dict[Any, Codec] = {}
 
@@ -121,8 +133,8 @@ def plan_schedule(
     # when does each (rank, chunk) next appear, and how: ("send", codec) or ("recv", mode)
     events: dict[tuple[int, int], list[tuple[int, str, Codec]]] = {}
     for r in range(n):
-        for k, st in enumerate(schedule.steps[r]):
-            for ch in st.send_chunks:
+        for k, st in enumerate(schedule.steps[r]):  # the whole schedule: a partial run
+            for ch in st.send_chunks:  # encodes exactly as the full one does
                 events.setdefault((r, ch), []).append((k, "send", codec_of(st.codec)))
             for ch in st.recv_chunks:
                 events.setdefault((r, ch), []).append((k, "recv", codec_of(st.codec)))
@@ -135,6 +147,10 @@ def plan_schedule(
 
     def run(num_hops: list[int] | None) -> tuple[list[list[RoundPlan]], list[int]]:
         sym = [[_Sym() for _ in range(schedule.num_chunks)] for _ in range(n)]
+        if gather_only:
+            for r in range(n):
+                for ch in range(schedule.num_chunks):
+                    sym[r][ch].contrib = n if ch in schedule.owned_chunks(r) else 0
         plans: list[list[RoundPlan]] = [[] for _ in range(n)]
 
         def ctx(r: int, ch: int, level: int, contrib: int) -> HopContext:
@@ -149,7 +165,7 @@ def plan_schedule(
                 world_size=n,
             )
 
-        for k in range(schedule.num_rounds):
+        for k in range(start, stop):
             outgoing: dict[int, dict[int, _Sym]] = {}
             sends: list[list[SendOp]] = [[] for _ in range(n)]
             for r in range(n):
@@ -207,6 +223,17 @@ def chunk_bounds(numel: int, num_chunks: int, align: int) -> list[tuple[int, int
 
 def _pieces(start: int, end: int, sub: int) -> list[tuple[int, int]]:
     return [(s, min(end, s + sub)) for s in range(start, end, sub)] or [(start, start)]
+
+
+def chunk_layout(
+    numel: int, schedule: Schedule, codec: Codec, sub_chunk: int
+) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]]]]:
+    """Chunk bounds and each chunk's sub-chunks, aligned to every codec's block size."""
+    codecs = [codec] + [get_codec(c) for c in schedule.codecs()]
+    align = math.lcm(*(c.block_size for c in codecs))
+    sub = max(align, sub_chunk // align * align)
+    bounds = chunk_bounds(numel, schedule.num_chunks, align)
+    return bounds, [_pieces(a, b, sub) for a, b in bounds]
 
 
 # -- execution --------------------------------------------------------------------------------
@@ -279,12 +306,21 @@ def run_schedule(
     descriptor: dict[str, Any] | None = None,
     plan: list[list[RoundPlan]] | None = None,
     residual: torch.Tensor | None = None,
+    rounds: tuple[int, int] | None = None,
+    outputs: Sequence[int] | None = None,
 ) -> EngineResult:
     """All-reduce (sum) the 1-D tensor ``x`` of this rank; returns the fp32 result.
 
     ``residual`` (fp32, ``x.numel()``), when given, accumulates ``v - decode(encode(v))`` of
     every value this rank encodes, at its positions: its own contribution and the partial
     sums it re-encodes (error feedback adds it to the next step's gradient).
+    ``rounds=(start, stop)`` runs part of the schedule (``reduce_scatter``, ``all_gather``);
+    ``outputs`` lists the chunks to decode at the end (default: all).
+
+    A codec with a ``prologue(x, comm)`` method (a collective step it needs first, e.g. an
+    agreement on a global norm) has it run here; ``comm.allgather(tensor)`` exchanges a small
+    tensor with every rank, its bytes count in ``bytes_sent``, and the returned dict reaches
+    every encoding as ``HopContext.shared``.
 
     ``descriptor`` is compared across ranks before the first transfer (a mismatch raises
     :class:`ConfigMismatchError` on every rank). ``timeout`` bounds every wait on a peer.
@@ -310,19 +346,24 @@ def run_schedule(
     result.control_bytes_sent += agree(transport, desc, timeout)
     t0 = timer.add("agree", t0)
 
-    plan = plan or plan_schedule(schedule, codec, seed=seed, step=step)
-    codecs = [codec] + [op.codec for rnd in plan[r] for op in rnd.sends + rnd.recvs]
-    align = math.lcm(*(c.block_size for c in codecs))
-    sub = max(align, sub_chunk // align * align)
-    bounds = chunk_bounds(numel, schedule.num_chunks, align)
-    pieces = [_pieces(a, b, sub) for a, b in bounds]
+    shared = None
+    prologue = getattr(codec, "prologue", None)
+    if callable(prologue):
+        comm = PrologueComm(transport, timeout)
+        shared = prologue(x, comm)
+        result.bytes_sent += comm.bytes_sent
+        result.bytes_received += comm.bytes_received
+        t0 = timer.add("prologue", t0)
+
+    plan = plan or plan_schedule(schedule, codec, seed=seed, step=step, rounds=rounds)
+    _, pieces = chunk_layout(numel, schedule, codec, sub_chunk)
 
     work = x.detach().to(torch.float32).clone()  # raw values (fp32), updated in place
     beta = torch.zeros(numel, dtype=torch.float64, device=x.device) if return_bound else None
     state = [_State() for _ in range(schedule.num_chunks)]
 
     def octx(ctx: HopContext, start: int) -> HopContext:
-        return dataclasses.replace(ctx, offset=base_offset + start)
+        return dataclasses.replace(ctx, offset=base_offset + start, shared=shared)
 
     def local_value(ch: int, j: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         s = state[ch]
@@ -468,7 +509,7 @@ def run_schedule(
     # final values: decode what is encoded (the owner decodes its own bytes too)
     t = time.perf_counter()
     for ch, s in enumerate(state):
-        if not s.encoded:
+        if not s.encoded or (outputs is not None and ch not in outputs):
             continue
         assert s.codec is not None and s.ctx is not None
         for j, (a, b) in enumerate(pieces[ch]):
@@ -485,7 +526,32 @@ def run_schedule(
     return result
 
 
-# -- agreement before the first transfer -------------------------------------------------------
+# -- agreement before the first transfer, prologues -------------------------------------------
+
+
+class PrologueComm:
+    """What a codec's ``prologue`` may do: exchange small tensors with every rank."""
+
+    def __init__(self, transport: Transport, timeout: float):
+        self.transport = transport
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.timeout = timeout
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype everywhere), indexed by rank."""
+        t = tensor.detach().contiguous()
+        nbytes = t.numel() * t.element_size()
+        out = [t if r == self.rank else torch.empty_like(t) for r in range(self.world_size)]
+        recvs = [self.transport.irecv(out[r], r) for r in range(self.world_size) if r != self.rank]
+        sends = [self.transport.isend(t, r) for r in range(self.world_size) if r != self.rank]
+        for w in recvs + sends:
+            w.wait(self.timeout)
+        self.bytes_sent += nbytes * (self.world_size - 1)
+        self.bytes_received += nbytes * (self.world_size - 1)
+        return out
 
 
 def _send_blob(transport: Transport, blob: bytes, dst: int) -> list[Work]:

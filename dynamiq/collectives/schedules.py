@@ -26,7 +26,7 @@ in round ``k``; so every valid schedule is free of deadlock by construction. Bui
 >>> s.num_rounds, s.num_chunks
 (4, 3)
 >>> s.steps[0][0]
-Step(send_to=1, send_chunks=(0,), recv_from=2, recv_chunks=(2,), action='reduce', codec=None)
+Step(send_to=1, send_chunks=(2,), recv_from=2, recv_chunks=(1,), action='reduce', codec=None)
 """
 
 from __future__ import annotations
@@ -89,6 +89,22 @@ class Schedule:
     @property
     def num_rounds(self) -> int:
         return len(self.steps[0]) if self.steps else 0
+
+    def completions(self) -> dict[int, tuple[int, int]]:
+        """For each chunk, the ``(rank, round)`` that completes its sum (its owner)."""
+        return _simulate(self)
+
+    @property
+    def reduce_rounds(self) -> int:
+        """Rounds of the reduce(-scatter) phase; the rest only forward finished chunks."""
+        done = self.completions()
+        return max((k for _, k in done.values()), default=-1) + 1
+
+    def owned_chunks(self, rank: int) -> list[int]:
+        """Chunks whose sum ``rank`` completes (what ``reduce_scatter`` leaves it)."""
+        if self.world_size == 1:
+            return list(range(self.num_chunks))
+        return sorted(ch for ch, (r, _) in self.completions().items() if r == rank)
 
     def codecs(self) -> list[Any]:
         """Every codec override the schedule names (``None`` excluded), in first-use order."""
@@ -194,7 +210,16 @@ def validate(s: Schedule) -> None:
                     f"round {k}: rank {r} receives from rank {st.recv_from}, which does not "
                     f"send to it"
                 )
-    # symbolic run: which ranks' gradients each (rank, chunk) holds; final (copied) or not
+    _simulate(s)
+
+
+def _simulate(s: Schedule) -> dict[int, tuple[int, int]]:
+    """Symbolic run: which ranks' gradients each (rank, chunk) holds, round by round.
+
+    Returns, per chunk, the (rank, round) that completes its sum; raises
+    :class:`ScheduleError` where a sum double-counts, is completed twice, or ends incomplete.
+    """
+    n, c = s.world_size, s.num_chunks
     held = [[frozenset([r]) for _ in range(c)] for r in range(n)]
     completed: dict[int, tuple[int, int]] = {}  # chunk -> (rank, round) that summed it all
     everyone = frozenset(range(n))
@@ -242,6 +267,7 @@ def validate(s: Schedule) -> None:
                 raise ScheduleError(
                     f"rank {r} ends without the gradients of ranks {missing} in chunk {ch}"
                 )
+    return completed
 
 
 def _steps(n: int, rounds: int) -> list[list[Step]]:
@@ -267,12 +293,13 @@ def ring(world_size: int) -> Schedule:
     """Ring reduce-scatter then all-gather: ``n`` chunks, ``2(n - 1)`` rounds."""
     n = world_size
     t = _steps(n, 2 * (n - 1))
+    # rank r ends the reduce-scatter owning chunk r (as reduce_scatter users expect)
     for s in range(n - 1):
         for r in range(n):
-            _pair(t, s, r, (r + 1) % n, [(r - s) % n], "reduce")
+            _pair(t, s, r, (r + 1) % n, [(r - 1 - s) % n], "reduce")
     for s in range(n - 1):
         for r in range(n):
-            _pair(t, n - 1 + s, r, (r + 1) % n, [(r + 1 - s) % n], "copy")
+            _pair(t, n - 1 + s, r, (r + 1) % n, [(r - s) % n], "copy")
     return Schedule("ring", n, n, tuple(map(tuple, t)))
 
 
