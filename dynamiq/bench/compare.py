@@ -63,7 +63,7 @@ def compare(
                     if progress:
                         el = time.perf_counter() - t0
                         print(
-                            f"\r[{done}/{total}] {str(name):<14} {schedule:<9} n={n:<3} "
+                            f"\r[{done}/{total}] {name!s:<14} {schedule:<9} n={n:<3} "
                             f"{el:6.0f}s, eta {el / done * (total - done):5.0f}s",
                             end="",
                             file=sys.stderr,

@@ -3,6 +3,7 @@ schedules and the validator, the uncompressed threshold."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -138,7 +139,7 @@ def test_reduce_scatter_then_all_gather(schedule: str, n: int) -> None:
     )
     covered = sorted(rng for s in shards for rng in s.ranges)
     assert covered[0][0] == 0 and covered[-1][1] == 999
-    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
     for s in shards:  # the very sums allreduce gives
         want = [full.outputs[0][a:b] for a, b in s.ranges]
         assert torch.equal(s.values, torch.cat(want) if want else torch.empty(0))
