@@ -208,3 +208,41 @@ def test_state_dict_error_feedback_bf16_no_sync_static_graph() -> None:
         assert a["n_residuals"] >= 1 and a["residual_norm"] > 0 and a["restored"]
         assert "codec" in a["mismatch"]
         assert a["checksum"] == b["checksum"]  # replicas stay identical
+
+
+def test_example_script_under_torchrun(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dynamiq.testing.distributed import free_port
+
+    script = Path(__file__).parents[1] / "examples" / "train_ddp.py"
+    out = tmp_path / "run.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        "--codec",
+        "mxfp4",
+        "--schedule",
+        "butterfly",
+        "--steps",
+        "15",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gloo, 2 ranks, codec mxfp4, butterfly: final loss" in proc.stdout
+    data = json.loads(out.read_text())
+    assert len(data["losses"]) == 15 and len(data["hook_stats"]) == 15
+    assert all(s["bytes_sent"] > 0 for s in data["hook_stats"])

@@ -117,7 +117,7 @@ def train(
         opt.step()
         losses.append(float(loss.detach()))
     seconds = time.perf_counter() - t0
-    checksum = float(sum(p.double().sum() for p in model.parameters()))
+    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     stats = list(state.stats) if hook == "dynamiq" else []
     if hook == "dynamiq":
         state.close()
