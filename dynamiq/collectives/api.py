@@ -32,6 +32,14 @@ DEFAULT_THRESHOLD = 1024
 _OPS = ("sum", "avg")
 
 
+def _op_name(op: Any) -> str:
+    """``"sum"``/``"avg"`` from a string (any case) or ``torch.distributed.ReduceOp``."""
+    name = op.lower() if isinstance(op, str) else str(op).rsplit(".", 1)[-1].lower()
+    if name not in _OPS:
+        raise ValueError(f"op must be one of 'sum', 'avg' or ReduceOp.SUM/AVG (got {op!r})")
+    return name
+
+
 @dataclass
 class AllReduceStats:
     """What one rank sent and received, and where its time went.
@@ -167,7 +175,7 @@ def allreduce(
     *,
     seed: int = 0,
     step: int = 0,
-    op: str = "sum",
+    op: Any = "sum",
     async_op: bool = False,
     return_bound: bool = False,
     sub_chunk: int = 1 << 18,
@@ -189,8 +197,7 @@ def allreduce(
     (for error feedback; see :mod:`dynamiq.ddp`).
     """
     _check_tensor(tensor)
-    if op not in _OPS:
-        raise ValueError(f"op must be one of 'sum', 'avg' (got {op!r})")
+    op = _op_name(op)
     tr = transport or TorchDistTransport(group)
     c, sched = _resolve(
         codec, schedule, tr.world_size, tensor.numel(), threshold, **(schedule_options or {})
@@ -227,7 +234,7 @@ def simulate_allreduce(
     seed: int = 0,
     *,
     step: int = 0,
-    op: str = "sum",
+    op: Any = "sum",
     return_bound: bool = True,
     sub_chunk: int = 1 << 18,
     threshold: int = 0,
@@ -247,8 +254,7 @@ def simulate_allreduce(
         _check_tensor(t, f"tensors[{i}]")
     if len(shapes) != 1:
         raise ValueError(f"all ranks' tensors must have the same shape (got {sorted(shapes)})")
-    if op not in _OPS:
-        raise ValueError(f"op must be one of 'sum', 'avg' (got {op!r})")
+    op = _op_name(op)
     c, sched = _resolve(
         codec, schedule, n, tensors[0].numel(), threshold, **(schedule_options or {})
     )
@@ -322,7 +328,7 @@ def reduce_scatter(
     *,
     seed: int = 0,
     step: int = 0,
-    op: str = "sum",
+    op: Any = "sum",
     sub_chunk: int = 1 << 18,
     timeout: float = 300.0,
     transport: Transport | None = None,
@@ -334,8 +340,7 @@ def reduce_scatter(
     ``tensor`` is not modified.
     """
     _check_tensor(tensor)
-    if op not in _OPS:
-        raise ValueError(f"op must be one of 'sum', 'avg' (got {op!r})")
+    op = _op_name(op)
     tr = transport or TorchDistTransport(group)
     c = get_codec(codec)
     sched = get_schedule(schedule, tr.world_size, **(schedule_options or {}))

@@ -108,6 +108,12 @@ def test_avg_and_dtypes() -> None:
     xs = [torch.full((100,), float(i + 1)) for i in range(4)]
     res = simulate_allreduce(xs, "fp32", "ring", op="avg")
     assert torch.equal(res.outputs[0], torch.full((100,), 2.5))
+    import torch.distributed as dist
+
+    same = simulate_allreduce(xs, "fp32", "ring", op=dist.ReduceOp.AVG)
+    assert torch.equal(same.outputs[0], res.outputs[0])
+    with pytest.raises(ValueError, match="op must be"):
+        simulate_allreduce(xs, "fp32", "ring", op=dist.ReduceOp.MAX)
     xb = [x.bfloat16() for x in xs]
     res = simulate_allreduce(xb, "int8", "butterfly", op="avg")
     err = (res.outputs[0].double() - res.exact).abs()
