@@ -122,14 +122,18 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _cmd_codecs(args: argparse.Namespace) -> int:
-    rows = codec_table()
+def _print_rows(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """JSON, Markdown or a text table, as the command's flags ask."""
     if args.json:
         print(json.dumps(rows, indent=2))
-    elif args.markdown:
+    elif getattr(args, "markdown", False):
         print(markdown_table(rows))
     else:
         print(format_table(rows, list(rows[0])))
+
+
+def _cmd_codecs(args: argparse.Namespace) -> int:
+    _print_rows(codec_table(), args)
     return 0
 
 
@@ -183,12 +187,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         range(args.seeds),
         progress=not args.json,
     )
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    elif args.markdown:
-        print(markdown_table(rows))
-    else:
-        print(format_table(rows, list(rows[0])))
+    _print_rows(rows, args)
     return 0
 
 
