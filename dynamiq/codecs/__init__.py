@@ -5,6 +5,7 @@
 """
 
 from .base import Codec, ErrorBound, HopContext
+from .dynamiq_codec import DynamiqCodec
 from .formats import ELEMENT_FORMATS, ElementFormat, get_format
 from .intq import IntCodec
 from .mx import MXFP4, MXFP6E2M3, MXFP6E3M2, MXFP8E4M3, MXFP8E5M2, MXINT8, MXCodec
@@ -28,6 +29,7 @@ __all__ = [
     "MXINT8",
     "BF16Codec",
     "Codec",
+    "DynamiqCodec",
     "ElementFormat",
     "ErrorBound",
     "FP16Codec",

@@ -33,13 +33,34 @@ EXTRA_FIXTURES: dict[str, dict[str, Any]] = {
         "ctx": {},
     },
     "int6_fp32": {"codec": {"id": "int", "bits": 6, "scale_format": "fp32"}, "ctx": {}},
+    "dynamiq_small_correlated": {
+        "codec": {
+            "id": "dynamiq",
+            "bits": 3.5,
+            "span": 1024,
+            "super_group": 256,
+            "rounding": "correlated",
+            "hop_slope": 1.0,
+        },
+        "ctx": {"seed": 11, "step": 2, "hop": 2, "num_hops": 5, "rank": 3, "offset": 2048},
+    },
+    "dynamiq_uniform_stochastic": {
+        "codec": {
+            "id": "dynamiq",
+            "span": 2048,
+            "levels": "uniform",
+            "rounding": "stochastic",
+            "scale_steps": 1,
+        },
+        "ctx": {"seed": 5, "rank": 1},
+    },
 }
 
 
 def golden_input(block_size: int) -> torch.Tensor:
     """A deterministic input: magnitudes from subnormal to large, zeros, ±0, ties, a partial
     last block."""
-    n = max(3 * block_size + 5, 101)
+    n = max(min(3 * block_size + 5, 4099), 101)
     k = torch.arange(n, dtype=torch.float64)
     x = torch.sin(k * 0.37) * torch.exp2(torch.remainder(k * 7, 51) - 40)
     x[::17] = 0.0
