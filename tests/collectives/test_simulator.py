@@ -43,7 +43,7 @@ def _expected_bytes(codec_name: str, schedule, numel: int, sub_chunk: int) -> li
     _, pieces = chunk_layout(numel, schedule, codec, sub_chunk)
     return [
         sum(
-            op.codec.encoded_nbytes(b - a)
+            op.codec.encoded_nbytes(b - a, op.ctx)
             for rnd in plan[r]
             for op in rnd.sends
             for a, b in pieces[op.chunk]
