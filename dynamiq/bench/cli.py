@@ -175,7 +175,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from dynamiq.data import load_gradients
 
     workers = [int(w) for w in args.workers.split(",")]
-    grads = load_gradients(args.split, max(workers), progress=not args.json)
+    grads = load_gradients(args.split, max(workers), progress=not args.quiet)
     if args.numel:
         grads = grads[:, : args.numel]
     codecs = args.codecs.split(",") if args.codecs else list_codecs()
@@ -185,7 +185,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         args.schedules.split(","),
         workers,
         range(args.seeds),
-        progress=not args.json,
+        progress=not args.quiet,
     )
     _print_rows(rows, args)
     return 0
@@ -236,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numel", type=int, default=0, help="use only the first N values (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_cmd_compare)
     return parser
 
