@@ -223,8 +223,8 @@ class DynamiqCodec(Codec):
         live = (s_sg.repeat_interleave(per_sg)[:n_g] > 0) & (e < _E_MAX + 1)
         if not self.pooled:
             # ablation: every group gets the same width (no variable bit-width)
-            w = min(_MAX_W, budget // max(length, 1))
-            return torch.where(live, w, 0).to(torch.int64)
+            flat = min(_MAX_W, budget // max(length, 1))
+            return torch.where(live, flat, 0).to(torch.int64)
         if not bool(live.any()):
             return torch.zeros(n_g, dtype=torch.int64, device=e.device)
         top = int(level[live].max())

@@ -338,7 +338,6 @@ def run_schedule(
         "schedule": schedule.describe(),
         "numel": numel,
         "seed": seed,
-        "step": step,
         "sub_chunk": sub_chunk,
         "return_bound": return_bound,
         **(descriptor or {}),
@@ -593,6 +592,11 @@ def agree(transport: Transport, desc: dict[str, Any], timeout: float) -> int:
     if n == 1:
         return 0
     mine = json.dumps(desc, sort_keys=True, default=str).encode()
+    # a persistent transport (a DDP hook's) agrees once per distinct configuration, not at
+    # every call: the training step is not part of the descriptor
+    agreed: set[bytes] | None = getattr(transport, "agreed", None)
+    if agreed is not None and mine in agreed:
+        return 0
     sent = 0
     if r != 0:
         works = _send_blob(transport, mine, 0)
@@ -602,6 +606,8 @@ def agree(transport: Transport, desc: dict[str, Any], timeout: float) -> int:
             w.wait(timeout)
         if verdict:
             raise ConfigMismatchError(verdict)
+        if agreed is not None:
+            agreed.add(mine)
         return sent
     problems = []
     for src in range(1, n):
@@ -621,4 +627,6 @@ def agree(transport: Transport, desc: dict[str, Any], timeout: float) -> int:
         w.wait(timeout)
     if verdict:
         raise ConfigMismatchError(verdict)
+    if agreed is not None:
+        agreed.add(mine)
     return sent

@@ -150,6 +150,8 @@ class TorchDistTransport:
             )
         self.dist = dist
         self.group = group
+        #: configurations already agreed on by every rank (see ``engine.agree``)
+        self.agreed: set[bytes] = set()
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._global: Sequence[int] = (
