@@ -13,10 +13,13 @@ offsets) made of **super-groups** of ``super_group`` values, each made of **grou
 
 **Variable bit-width, no extra metadata.** The widths ``w_g`` are not sent: both sides derive
 them from the integer scale codes by reverse water-filling over the whole span (the budget is
-pooled over the span): with ``L_g = floor(log2 S) - e_g`` (the integer log2 of the group's
-scale), ``w_g = clamp(L_g - max L + t, 0, 8)`` for the largest integer ``t`` that fits the
-budget; the bits left over raise, one step each, the groups that would rise next, in index
-order. Integer arithmetic only: sender and receiver agree on every device.
+pooled over the span). The next bit of group ``g`` at width ``w`` is worth
+``s_g^2 (D(w) - D(w+1))``, ``D`` the distortion of the fitted level tables measured on the fit
+split; in integers, ``P[g, w] = 8 L_g + Q[w]`` with ``L_g = k floor(log2 S) - e_g`` (the
+group scale's log2 in 1/k-bit units) and ``Q[w] = round(4k log2(D(w) - D(w+1)))``. Every bit
+worth at least the lowest threshold that fits the budget is taken; the bits worth one less go
+to the groups in index order while they fit. Integer arithmetic only: sender and receiver
+agree on every device.
 
 **Levels.** A width ``w >= 1`` has ``2^w`` levels in [-1, 1], symmetric: ``"fitted"``
 (default) are Lloyd-Max tables fitted to normalised real partial sums of the ``fit`` split
@@ -47,13 +50,22 @@ from typing import ClassVar
 
 import torch
 
-from ._dynamiq_levels import LEVELS
+from ._dynamiq_levels import DISTORTION_FITTED, LEVELS
 from .base import Codec, ErrorBound, HopContext, check_choice, check_int
 from .formats import exponent_of
 from .hashing import hash_keys, hash_u32, uniform_open01
 from .registry import register_codec
 
 __all__ = ["DynamiqCodec", "level_table"]
+
+
+def _priority(k: int) -> tuple[int, ...]:
+    """round(4k log2(D(w) - D(w + 1))) for w = 0..7 (integers shared by both sides)."""
+    d = DISTORTION_FITTED
+    return tuple(round(4 * k * math.log2(d[w] - d[w + 1])) for w in range(8))
+
+
+_PRIORITY = {k: _priority(k) for k in range(1, 5)}
 
 _MAX_W = 8
 _E_MAX = 15  # group codes are 4 bits
@@ -227,22 +239,29 @@ class DynamiqCodec(Codec):
             return torch.where(live, flat, 0).to(torch.int64)
         if not bool(live.any()):
             return torch.zeros(n_g, dtype=torch.int64, device=e.device)
-        top = int(level[live].max())
-        rel = torch.where(live, level - top, -(1 << 30))
-        # reverse water-filling: the largest t whose widths fit the budget; at t_max every
-        # live group has the widest width
-        t_max = k * _MAX_W + top - int(level[live].min())
-        ts = torch.arange(0, t_max + 1, device=e.device)
+        # reverse water-filling by marginal gain: the next bit of group g at width w is worth
+        # s_g^2 (D(w) - D(w + 1)), D the fitted tables' distortion; in integers, 4k log2 of it:
+        # P[g, w] = 8 L_g + Q[w], decreasing in w; widths are the counts of P >= tau for the
+        # smallest tau that fits the budget
+        q = torch.tensor(_PRIORITY[k], dtype=torch.int64, device=e.device)
+        prio = torch.where(live.unsqueeze(1), 8 * level.unsqueeze(1) + q, -(1 << 40))
 
-        def widths(t: torch.Tensor) -> torch.Tensor:
-            return torch.div(rel + t, k, rounding_mode="floor").clamp(0, _MAX_W)
+        def cost(tau: int) -> int:
+            return int(((prio >= tau).sum(dim=1) * sizes).sum())
 
-        cost = (widths(ts.unsqueeze(1)) * sizes).sum(dim=1)
-        t = int(ts[cost <= budget].max())
-        w = widths(torch.tensor(t))
-        # leftover bits: raise the groups that would rise next (t + 1), in index order
+        lo, hi = int(prio[live].min()), int(prio[live].max()) + 1  # cost(hi) = 0 <= budget
+        while lo < hi:  # smallest tau with cost(tau) <= budget
+            mid = (lo + hi) // 2
+            if cost(mid) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        tau = lo
+        w = (prio >= tau).sum(dim=1)
+        # leftover bits: raise the groups whose next bit is worth tau - 1, in index order
         left = budget - int((w * sizes).sum())
-        rising = widths(torch.tensor(t + 1)) > w
+        nxt = torch.gather(prio, 1, w.clamp(max=_MAX_W - 1).unsqueeze(1)).squeeze(1)
+        rising = (w < _MAX_W) & (nxt == tau - 1)
         cum = torch.cumsum(torch.where(rising, sizes, 0), dim=0)
         return w + (rising & (cum <= left)).to(torch.int64)
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamiq.codecs import DynamiqCodec, HopContext, get_codec
+from dynamiq.codecs._dynamiq_levels import DISTORTION_FITTED
 from dynamiq.codecs.dynamiq_codec import level_table
-from dynamiq.codecs.formats import exponent_of
 
 SMALL = {"span": 1024, "super_group": 256, "group": 16}
 
@@ -19,38 +19,43 @@ SMALL = {"span": 1024, "super_group": 256, "group": 16}
 def _reference_widths(
     codec: DynamiqCodec, s_sg: list[float], e: list[int], length: int, budget: int
 ) -> list[int]:
-    """Reverse water-filling written as a plain greedy over Python integers: one bit at a
-    time, to the group whose (log2 scale - width) is largest, ties to the lowest index; a
-    raise that does not fit ends the round (as the codec's leftover rule does)."""
+    """Reverse water-filling written with Python integers and linear scans: the next bit of a
+    group is worth 4k·log2(s^2 (D(w) - D(w+1))) = 8 L + Q[w]; take every bit worth at least
+    the lowest threshold that fits the budget, then the bits worth one less, in index order,
+    while they fit."""
     k = codec.scale_steps
+    d = DISTORTION_FITTED
+    q = [round(4 * k * math.log2(d[w] - d[w + 1])) for w in range(8)]
     per_sg = codec.super_group // codec.group
     sizes = [codec.group] * len(e)
     sizes[-1] = length - codec.group * (len(e) - 1)
-    level = [
-        k * int(exponent_of(torch.tensor([s_sg[i // per_sg]])).item()) - e[i] for i in range(len(e))
-    ]
     live = [s_sg[i // per_sg] > 0 for i in range(len(e))]
     if not any(live):
         return [0] * len(e)
-    top = max(lv for lv, ok in zip(level, live, strict=True) if ok)
-    low = min(lv for lv, ok in zip(level, live, strict=True) if ok)
-    rel = [lv - top if ok else -(1 << 30) for lv, ok in zip(level, live, strict=True)]
+    level = [
+        k * math.frexp(s_sg[i // per_sg])[1] - k - e[i] if live[i] else 0 for i in range(len(e))
+    ]
+    prio = [
+        [8 * level[i] + q[w] for w in range(8)] if live[i] else [-(1 << 40)] * 8
+        for i in range(len(e))
+    ]
 
-    def widths(t: int) -> list[int]:
-        return [min(8, max(0, (r + t) // k)) for r in rel]
+    def widths(tau: int) -> list[int]:
+        return [sum(1 for p in row if p >= tau) for row in prio]
 
-    def cost(t: int) -> int:
-        return sum(w * n for w, n in zip(widths(t), sizes, strict=True))
+    def cost(tau: int) -> int:
+        return sum(w * n for w, n in zip(widths(tau), sizes, strict=True))
 
-    t = 0
-    while t < k * 8 + top - low and cost(t + 1) <= budget:
-        t += 1
-    w = widths(t)
+    tau = max(p for row, ok in zip(prio, live, strict=True) if ok for p in row) + 1
+    while cost(tau - 1) <= budget and tau > min(
+        min(r) for r, ok in zip(prio, live, strict=True) if ok
+    ):
+        tau -= 1
+    w = widths(tau)
     left = budget - sum(a * n for a, n in zip(w, sizes, strict=True))
-    nxt = widths(t + 1)
     spent = 0
     for i in range(len(w)):
-        if nxt[i] > w[i]:
+        if w[i] < 8 and prio[i][w[i]] == tau - 1:
             spent += sizes[i]
             if spent <= left:
                 w[i] += 1
