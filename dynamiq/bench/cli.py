@@ -178,7 +178,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     grads = load_gradients(args.split, max(workers), progress=not args.quiet)
     if args.numel:
         grads = grads[:, : args.numel]
-    codecs = args.codecs.split(",") if args.codecs else list_codecs()
+    if args.codecs.lstrip().startswith("["):
+        codecs = json.loads(args.codecs)  # a JSON list of ids and configs
+    else:
+        codecs = args.codecs.split(",") if args.codecs else list_codecs()
     rows = compare(
         grads,
         codecs,
@@ -228,7 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the median (and max) over seeds; a seed permutes which gradient each rank holds and "
         "seeds stochastic rounding. bits/value counts every byte sent.",
     )
-    p.add_argument("--codecs", default="", help="comma-separated codec ids (default: all)")
+    p.add_argument(
+        "--codecs",
+        default="",
+        help="comma-separated codec ids, or a JSON list of ids and configs (default: all)",
+    )
     p.add_argument("--schedules", default="ring,butterfly", help="comma-separated schedules")
     p.add_argument("--workers", default="4,8,16,32", help="comma-separated world sizes")
     p.add_argument("--seeds", type=int, default=3, help="number of seeds (median over them)")
