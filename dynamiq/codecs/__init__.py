@@ -9,6 +9,7 @@ from .dynamiq_codec import DynamiqCodec
 from .formats import ELEMENT_FORMATS, ElementFormat, get_format
 from .intq import IntCodec
 from .mx import MXFP4, MXFP6E2M3, MXFP6E3M2, MXFP8E4M3, MXFP8E5M2, MXINT8, MXCodec
+from .omnireduce import OmniReduceCodec
 from .passthrough import BF16Codec, FP16Codec, FP32Codec, PassThroughCodec
 from .registry import (
     ENTRY_POINT_GROUP,
@@ -17,6 +18,7 @@ from .registry import (
     list_codecs,
     register_codec,
 )
+from .thc import ThcCodec
 
 __all__ = [
     "ELEMENT_FORMATS",
@@ -37,7 +39,9 @@ __all__ = [
     "HopContext",
     "IntCodec",
     "MXCodec",
+    "OmniReduceCodec",
     "PassThroughCodec",
+    "ThcCodec",
     "UnknownCodecError",
     "get_codec",
     "get_format",

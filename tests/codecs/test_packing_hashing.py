@@ -27,6 +27,17 @@ def test_pack_matches_little_endian_bit_stream(bits: int, values: list[int]) -> 
     assert unpack_bits(packed, bits, len(codes)).tolist() == codes
 
 
+@given(st.integers(9, 32), st.lists(st.integers(0, 2**32 - 1), max_size=100))
+def test_wide_codes_follow_the_same_bit_stream(bits: int, values: list[int]) -> None:
+    """9..32-bit codes (THC's widened integer sums) travel as int64, by the same rule."""
+    codes = [v & ((1 << bits) - 1) for v in values]
+    packed = pack_bits(torch.tensor(codes, dtype=torch.int64), bits)
+    assert packed.dtype == torch.uint8
+    assert packed.numpy().tobytes() == _reference_pack(codes, bits)
+    back = unpack_bits(packed, bits, len(codes))
+    assert back.dtype == torch.int64 and back.tolist() == codes
+
+
 def test_fp6_four_codes_in_three_bytes() -> None:
     packed = pack_bits(torch.tensor([0x3F, 0x00, 0x2A, 0x15], dtype=torch.uint8), 6)
     # stream: 111111 000000 101010 010101 (code 0 lowest) -> little-endian bytes
