@@ -27,6 +27,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from hash_reference import ref_hash, ref_keys
 
 from dynamiq.codecs import ELEMENT_FORMATS, HopContext, get_codec
 from dynamiq.codecs.hashing import hash_keys, hash_u32, uniform_open01
@@ -347,33 +348,6 @@ def test_pack_block(block: Block) -> None:
 
 
 # -- hash --------------------------------------------------------------------------------------
-
-M32 = 0xFFFFFFFF
-
-
-def ref_fmix32(h: int) -> int:
-    h &= M32
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & M32
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & M32
-    return h ^ (h >> 16)
-
-
-def ref_keys(seed: int, step: int, hop: int, rank: int) -> tuple[int, int]:
-    """The formulas of the doc's section 4, in plain Python."""
-    k = ref_fmix32(seed & M32)
-    k = ref_fmix32(k ^ (seed >> 32) ^ 0x243F6A88)
-    k = ref_fmix32(k ^ (step & M32))
-    k = ref_fmix32(k ^ (step >> 32) ^ 0x85A308D3)
-    k = ref_fmix32(k ^ (hop & M32))
-    key0 = ref_fmix32(k ^ (rank & M32))
-    return key0, ref_fmix32(key0 ^ 0x13198A2E)
-
-
-def ref_hash(idx: int, keys: tuple[int, int]) -> int:
-    h = ref_fmix32(((idx & M32) * 0x9E3779B1 + keys[0]) & M32)
-    return ref_fmix32(h ^ (idx >> 32) ^ keys[1])
 
 
 def ref_uniform(h: int) -> float:

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hash_reference import ref_hash, ref_keys
 
 import dynamiq.codecs.thc as thc_module
 from dynamiq.codecs import HopContext, ThcCodec, get_codec
@@ -20,34 +21,9 @@ from dynamiq.collectives.engine import chunk_layout
 from dynamiq.data import load_slice
 from dynamiq.testing import check_bound_tight, run_conformance
 
-M32 = 0xFFFFFFFF
 U = 2.0**-24
 
 # -- an independent reference of the documented recipe (plain Python + NumPy) -----------------
-
-
-def ref_fmix32(h: int) -> int:
-    h &= M32
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & M32
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & M32
-    return h ^ (h >> 16)
-
-
-def ref_keys(seed: int, step: int, hop: int, rank: int) -> tuple[int, int]:
-    k = ref_fmix32(seed & M32)
-    k = ref_fmix32(k ^ (seed >> 32) ^ 0x243F6A88)
-    k = ref_fmix32(k ^ (step & M32))
-    k = ref_fmix32(k ^ (step >> 32) ^ 0x85A308D3)
-    k = ref_fmix32(k ^ (hop & M32))
-    key0 = ref_fmix32(k ^ (rank & M32))
-    return key0, ref_fmix32(key0 ^ 0x13198A2E)
-
-
-def ref_hash(idx: int, keys: tuple[int, int]) -> int:
-    h = ref_fmix32(((idx & M32) * 0x9E3779B1 + keys[0]) & M32)
-    return ref_fmix32(h ^ (idx >> 32) ^ keys[1])
 
 
 def ref_signs(n: int, offset: int = 0, rotation_seed: int = 0) -> np.ndarray:
