@@ -3,9 +3,11 @@
 Implements DESIGN.md, "Contracts / Codec" and "Error bounds". A codec is an immutable,
 keyword-only value object whose configuration is its declared dataclass fields. The public
 methods (:meth:`Codec.encode`, :meth:`Codec.decode`, :meth:`Codec.reduce`) validate their
-arguments and then call the codec's private reference implementation (``_encode``,
-``_decode``, ``_reduce``), so every codec rejects bad input the same way before any kernel
-touches it.
+arguments and then go through the kernel dispatcher (:mod:`dynamiq.kernels`, backend
+``"auto"``), which runs a Triton kernel where one can run (CUDA tensors, or
+``TRITON_INTERPRET=1``) and otherwise the codec's private reference implementation
+(``_encode``, ``_decode``, ``_reduce``), so every codec rejects bad input the same way before
+any kernel touches it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+
+from dynamiq import kernels as _kernels
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -196,8 +200,7 @@ class Codec:
         """Encode 1-D fp32/bf16/fp16 ``x`` into a self-contained uint8 payload."""
         ctx = _check_ctx(ctx)
         _check_values("x", x)
-        out = self._encode(x, ctx)
-        return out
+        return _kernels.encode(self, x, ctx, backend="auto")
 
     def decode(
         self,
@@ -212,7 +215,7 @@ class Codec:
         self._check_payload(payload, numel, ctx)
         if out is not None:
             _check_out(out, numel, payload.device)
-        result = self._decode(payload, numel, ctx)
+        result = _kernels.decode(self, payload, numel, ctx, backend="auto")
         if out is None:
             return result
         out.copy_(result)
@@ -240,7 +243,7 @@ class Codec:
                 f"(got {payload.device} and {local.device})"
             )
         self._check_payload(payload, local.numel(), ctx)
-        return self._reduce(payload, local, ctx, out_ctx)
+        return _kernels.reduce(self, payload, local, ctx, out_ctx, backend="auto")
 
     # -- what subclasses implement ----------------------------------------------------------
 

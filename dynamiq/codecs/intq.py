@@ -13,7 +13,9 @@ Rounding: ``"nearest"`` (ties to even) or ``"stochastic"``: ``code = floor(q) + 
 floor(q)]`` with ``q = fl32(x / S)`` and ``u`` from the counter-based hash of ``(seed, step, hop,
 rank, global index)`` (``dynamiq.codecs.hashing``).
 
-Non-finite input: a block holding NaN or ±Inf gets a NaN scale and decodes to NaN.
+Non-finite input: a block holding NaN or ±Inf gets a NaN scale (written as the canonical
+quiet NaN ``0x7fc0`` bf16, ``0x7e00`` fp16, ``0x7fc00000`` fp32, ``0xff`` e8m0) and decodes to
+NaN.
 Inputs are accepted up to ``max_input_abs``: 2^127 (half of fp32's range, so that ``code * S``
 stays finite), and ``65504 * qmax`` for ``fp16`` scales; a block beyond it raises
 ``ValueError``. All-zero blocks get scale 0 (``e8m0``: 2^-127) and decode to 0.
@@ -40,6 +42,8 @@ __all__ = ["IntCodec", "block_absmax"]
 SCALE_FORMATS = ("bf16", "fp16", "fp32", "e8m0")
 _SCALE_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SCALE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "e8m0": 1}
+#: the bits a NaN scale is written as (canonical quiet NaN, positive), as a signed integer
+_CANONICAL_NAN = {"bf16": 0x7FC0, "fp16": 0x7E00, "fp32": 0x7FC00000}
 
 
 def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -139,7 +143,12 @@ class IntCodec(Codec):
     def _pack_scales(self, s: torch.Tensor) -> torch.Tensor:
         if self.scale_format == "e8m0":
             return FLOAT8_E8M0FNU.encode(s)
-        return s.to(_SCALE_DTYPE[self.scale_format]).view(torch.uint8)
+        dtype = _SCALE_DTYPE[self.scale_format]
+        bits = s.to(dtype).view(torch.int16 if dtype.itemsize == 2 else torch.int32)
+        # NaN scales are written as the format's canonical quiet NaN: torch's casts write
+        # device- and layout-dependent NaN bits (0xffff or 0x7fc0 for bf16 on one CPU)
+        bits = torch.where(torch.isnan(s), _CANONICAL_NAN[self.scale_format], bits)
+        return bits.view(torch.uint8)
 
     def _unpack_scales(self, raw: torch.Tensor) -> torch.Tensor:
         if self.scale_format == "e8m0":

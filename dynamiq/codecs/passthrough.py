@@ -2,8 +2,9 @@
 
 Wire format: the values in the named IEEE format, little-endian, nothing else. ``bf16`` and
 ``fp16`` round to nearest-even; finite values beyond the format's largest value saturate to it
-(so a finite gradient never becomes Inf); NaN stays NaN (its sign and payload bits may
-change in the cast) and ±Inf stays ±Inf.
+(so a finite gradient never becomes Inf); ±Inf stays ±Inf. Input already in the codec's
+format is copied bit for bit; a converted NaN becomes the canonical quiet NaN (``0x7fc0``
+bf16, ``0x7e00`` fp16, ``0x7fc00000`` fp32), the same on every device.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ class PassThroughCodec(Codec):
             big = torch.finfo(self.dtype).max
             xf = x.float()
             y = torch.where(torch.isinf(xf), xf, xf.clamp(-big, big)).to(self.dtype)
+            # NaN becomes the canonical quiet NaN: torch's casts write device- and
+            # layout-dependent NaN bits (one CPU writes bf16 0xffff or 0x7fc0)
+            ibits = y.view(torch.int32 if self.dtype == torch.float32 else torch.int16)
+            y = torch.where(torch.isnan(xf), _CANONICAL_NAN[self.dtype], ibits).view(self.dtype)
         return y.contiguous().view(torch.uint8)
 
     def _decode(self, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
@@ -86,6 +91,8 @@ class PassThroughCodec(Codec):
 
 
 _NMANT = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+#: bits of the canonical quiet NaN of each format (as a signed integer)
+_CANONICAL_NAN = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
 
 
 @register_codec

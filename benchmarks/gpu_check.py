@@ -1,0 +1,410 @@
+"""GPU check of the Triton kernels: bit-exactness, then fused-reduce speed (DESIGN.md, "Measures").
+
+Needs only this checkout, torch, Triton >= 3.6 and a CUDA GPU (no network). For every codec with
+kernels it
+
+1. checks the kernels bit for bit against the PyTorch reference computed on the same machine:
+   on the GPU (random, edge-case and block-remainder inputs, fp32/bf16/fp16, encode, decode and
+   reduce) and, for small inputs, against the reference on the CPU too (wire bytes must not
+   depend on the device);
+2. times, on ``--numel`` values (default 64M), the fused ``reduce`` kernel against the unfused
+   ``decode + add + encode`` (Triton kernels, with an fp32 tensor in memory between them) and
+   against the torch reference, and relates the fused kernel to the memory roofline: the bytes
+   it must move (incoming payload + local slice + outgoing payload) at the copy bandwidth
+   measured with ``torch.clone`` of a large tensor.
+
+Prints a table and writes everything to ``--out`` (JSON). ``--dry-run`` runs the same code on
+the CPU with tiny sizes through Triton's interpreter (its timings mean nothing), so the script
+can be checked without a GPU. ``--compile-only ARCH`` compiles every kernel the checks launch
+for ``sm_ARCH`` (e.g. 90) without a GPU, with Triton's bundled ``ptxas``.
+
+    python benchmarks/gpu_check.py --out gpu_check.json
+    python benchmarks/gpu_check.py --dry-run --out /tmp/dry.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: codecs timed; the first two are the headline
+TIMED = ["int8", "mxfp8_e4m3", "int4", "mxfp4", "mxfp6_e3m2", "bf16", "fp32"]
+#: non-default configurations checked beside the registered names
+EXTRA = {
+    "int4_stochastic": {"id": "int", "bits": 4, "rounding": "stochastic"},
+    "int3_fp16_stochastic": {
+        "id": "int",
+        "bits": 3,
+        "scale_format": "fp16",
+        "rounding": "stochastic",
+    },
+    "int6_fp32": {"id": "int", "bits": 6, "scale_format": "fp32"},
+    "int5_e8m0": {"id": "int", "bits": 5, "scale_format": "e8m0"},
+    "int3_block3": {"id": "int", "bits": 3, "block_size": 3},
+    "int8_block4100": {"id": "int", "bits": 8, "block_size": 4100},
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu_check.json", help="JSON results path")
+    parser.add_argument("--numel", type=float, default=64 * 2**20, help="values per timing")
+    parser.add_argument("--local-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--iters", type=int, default=20, help="timed repetitions (median)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny sizes")
+    parser.add_argument("--compile-only", type=int, metavar="ARCH", help="e.g. 90: no GPU")
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+
+    if args.compile_only:
+        return compile_only(args.compile_only)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run to check the script on the CPU")
+        return 2
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    numel = 4096 if args.dry_run else int(args.numel)
+    results: dict[str, Any] = {"environment": environment(device)}
+    print(json.dumps(results["environment"], indent=1))
+    results["exactness"] = check_exactness(device, small=args.dry_run)
+    results["timing"] = time_kernels(
+        device, numel, getattr(torch, args.local_dtype), 2 if args.dry_run else args.iters
+    )
+    failures = [r for r in results["exactness"] if not r["ok"]]
+    results["ok"] = not failures
+    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"\nwrote {args.out}")
+    if failures:
+        print(f"{len(failures)} bit-exactness failures, e.g. {failures[0]}")
+        return 1
+    return 0
+
+
+def environment(device: Any) -> dict[str, Any]:
+    import torch
+    import triton
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": str(device),
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, capability=f"{props.major}.{props.minor}")
+        env["memory_gib"] = round(props.total_memory / 2**30, 1)
+    return env
+
+
+# -- 1. bit-exactness -------------------------------------------------------------------------
+
+
+def _codecs() -> dict[str, Any]:
+    import dynamiq.kernels as K
+    from dynamiq.codecs import get_codec, list_codecs
+
+    named = {n: get_codec(n) for n in list_codecs() if K.has_kernels(get_codec(n))}
+    return {**named, **{n: get_codec(c) for n, c in EXTRA.items()}}
+
+
+def _inputs(codec: Any, n: int, seed: int) -> list[Any]:
+    """Random mixed magnitudes, and blocks of zeros, subnormals, huge values, ties, NaN, ±Inf."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    top = min(codec.max_input_abs, 2.0**100)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x = (x * torch.exp2(torch.randint(-40, 41, (n,), generator=g).double())).clamp(-top, top)
+    b = codec.block_size
+    e = torch.randn(n, generator=g).double()
+    k = torch.arange(n) // max(b, 1) % 8
+    e = torch.where(k == 0, 0.0, e)
+    e = torch.where(k == 1, e * 2.0**-140, e)
+    e = torch.where(k == 2, torch.sign(e) * top, e)
+    e = torch.where(k == 3, (torch.arange(n) % 64 - 32 + 0.5) * 2.0**-3, e)
+    e = torch.where((k == 4) & (torch.arange(n) % max(b, 1) == 0), math.nan, e)
+    e = torch.where((k == 5) & (torch.arange(n) % max(b, 1) == 1), -math.inf, e)
+    e = torch.where(k == 6, e * 2.0**-24, e)
+    return [x.float(), e.float()]
+
+
+def _same(codec: Any, got: Any, want: Any) -> bool:
+    """Bytes equal; fp32 values (and fp32-codec payloads) with NaN compared by position."""
+    import torch
+
+    from dynamiq.codecs.passthrough import FP32Codec
+
+    if got is None or want is None:
+        return got is want
+    got, want = got.cpu(), want.cpu()
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if got.dtype == torch.uint8 and not isinstance(codec, FP32Codec):
+        return bool(torch.equal(got, want))
+    g, w = got.view(torch.float32), want.view(torch.float32)
+    if not torch.equal(g.isnan(), w.isnan()):
+        return False
+    return bool(
+        torch.equal(g.nan_to_num(0.0).view(torch.int32), w.nan_to_num(0.0).view(torch.int32))
+    )
+
+
+def _run(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    try:
+        return fn(*args, **kw)
+    except ValueError as exc:  # the INT codecs beyond max_input_abs: both must raise alike
+        return ("ValueError", str(exc))
+
+
+def check_exactness(device: Any, small: bool) -> list[dict[str, Any]]:
+    import torch
+
+    import dynamiq.kernels as K
+    from dynamiq.codecs import HopContext
+
+    ctx = HopContext(seed=7, step=3, hop=1, num_hops=4, rank=2, offset=2**32 - 40)
+    out_ctx = HopContext(seed=7, step=3, hop=2, num_hops=4, rank=5, offset=2**32 - 40)
+    sizes = (0, 1, 31, 33, 1000) if small else (0, 1, 31, 33, 1000, 100_003, 1 << 20)
+    report = []
+    print("\nbit-exactness (Triton vs reference)")
+    for name, codec in _codecs().items():
+        ok, cases, first_bad = True, 0, None
+        t0 = time.perf_counter()
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for n in sizes:
+                for i, x in enumerate(_inputs(codec, n, n + 1)):
+                    x = x.to(dtype)
+                    local = _inputs(codec, n, n + 2)[1 - i].to(dtype)
+                    # the reference on the same device, and on the CPU for small sizes
+                    cpu = torch.device("cpu")
+                    refs = [device] + ([cpu] if n <= 1000 and device != cpu else [])
+                    got_p = _run(K.encode, codec, x.to(device), ctx, backend="triton")
+                    for rdev in refs:
+                        want_p = _run(K.encode, codec, x.to(rdev), ctx, backend="reference")
+                        checks = [("encode", got_p, want_p)]
+                        if isinstance(want_p, tuple):
+                            raised = isinstance(got_p, tuple) and got_p == want_p
+                            checks = [("encode raises", raised, True)]
+                        else:
+                            got_v = K.decode(codec, want_p.to(device), n, ctx, backend="triton")
+                            want_v = K.decode(codec, want_p, n, ctx, backend="reference")
+                            got_r = _run(
+                                K.reduce, codec, want_p.to(device), local.to(device), ctx,
+                                out_ctx, backend="triton",
+                            )  # fmt: skip
+                            want_r = _run(
+                                K.reduce, codec, want_p, local.to(rdev), ctx, out_ctx,
+                                backend="reference",
+                            )  # fmt: skip
+                            checks += [("decode", got_v, want_v)]
+                            if isinstance(want_r, tuple) or isinstance(got_r, tuple):
+                                raised = isinstance(got_r, tuple) and got_r == want_r
+                                checks += [("reduce raises", raised, True)]
+                            else:
+                                checks += [("reduce", got_r, want_r)]
+                        for op, got, want in checks:
+                            cases += 1
+                            same = (
+                                got is want if isinstance(want, bool) else _same(codec, got, want)
+                            )
+                            if not same and first_bad is None:
+                                first_bad = f"{op} {dtype} n={n} input {i} ref on {rdev}"
+                            ok &= same
+        assert K.last_backend() == "reference"
+        secs = time.perf_counter() - t0
+        print(f"  {name:22s} {'ok' if ok else 'MISMATCH':9s} {cases:5d} cases {secs:6.1f}s"
+              + (f"  first: {first_bad}" if first_bad else ""))  # fmt: skip
+        report.append({"codec": name, "ok": ok, "cases": cases, "first_mismatch": first_bad})
+    return report
+
+
+# -- 2. timing --------------------------------------------------------------------------------
+
+
+def _timer(device: Any, iters: int) -> Callable[[Callable[[], Any]], float]:
+    import torch
+
+    def measure(fn: Callable[[], Any]) -> float:
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return measure
+
+
+def time_kernels(device: Any, numel: int, local_dtype: Any, iters: int) -> dict[str, Any]:
+    import torch
+
+    import dynamiq.kernels as K
+    from dynamiq.codecs import get_codec
+
+    measure = _timer(device, iters)
+    big = torch.randn(numel, device=device)
+    copy_s = measure(big.clone)
+    copy_bw = 2 * big.numel() * 4 / copy_s
+    del big
+    out: dict[str, Any] = {
+        "numel": numel,
+        "local_dtype": str(local_dtype).split(".")[-1],
+        "copy_seconds": copy_s,
+        "copy_bandwidth_gbs": copy_bw / 1e9,
+        "codecs": {},
+    }
+    print(f"\ntiming on {numel} values, local {out['local_dtype']}; "
+          f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (torch clone, read + write)")  # fmt: skip
+    head = ("codec", "fused ms", "unfused ms", "torch ms", "GB/s", "roofline", "vs unfused")
+    print("  {:12s} {:>9s} {:>10s} {:>9s} {:>7s} {:>9s} {:>10s}".format(*head))
+    g = torch.Generator(device=device).manual_seed(0)
+    for name in TIMED:
+        codec = get_codec(name)
+        local = torch.randn(numel, device=device, generator=g).to(local_dtype)
+        payload = K.encode(codec, torch.randn(numel, device=device, generator=g), backend="triton")
+
+        def fused(c: Any = codec, p: Any = payload, x: Any = local) -> Any:
+            return K.reduce(c, p, x, backend="triton")
+
+        def unfused(c: Any = codec, p: Any = payload, x: Any = local) -> Any:
+            return K.encode(
+                c, K.decode(c, p, x.numel(), backend="triton") + x.float(), backend="triton"
+            )
+
+        def reference(c: Any = codec, p: Any = payload, x: Any = local) -> Any:
+            return K.reduce(c, p, x, backend="reference")
+
+        before = sum(K.launch_counts().values())
+        t_fused = measure(fused)
+        assert sum(K.launch_counts().values()) > before, "the fused kernel did not run"
+        t_unfused = measure(unfused)
+        t_ref = measure(reference) if device.type == "cuda" or numel <= 4096 else math.nan
+        moved = 2 * payload.numel() + local.numel() * local.element_size()
+        roofline = moved / copy_bw
+        row = {
+            "fused_seconds": t_fused,
+            "unfused_seconds": t_unfused,
+            "reference_seconds": t_ref,
+            "bytes_moved": moved,
+            "fused_bandwidth_gbs": moved / t_fused / 1e9,
+            "roofline_fraction": roofline / t_fused,
+            "speedup_vs_unfused": t_unfused / t_fused,
+            "speedup_vs_reference": t_ref / t_fused,
+        }
+        out["codecs"][name] = row
+        print(f"  {name:12s} {t_fused * 1e3:9.3f} {t_unfused * 1e3:10.3f} {t_ref * 1e3:9.3f} "
+              f"{row['fused_bandwidth_gbs']:7.0f} {row['roofline_fraction']:9.0%} "
+              f"{row['speedup_vs_unfused']:9.2f}x")  # fmt: skip
+        del local, payload
+    return out
+
+
+# -- compile only (no GPU) --------------------------------------------------------------------
+
+
+def compile_only(arch: int) -> int:
+    """Compile every distinct kernel launch of the checks for ``sm_{arch}`` (no device)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import dynamiq.kernels as K
+    from dynamiq.codecs import HopContext
+    from dynamiq.kernels import hashing, intq, mx, passthrough
+
+    launches: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
+    _PTR = {torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8"}
+    _PTR.update({torch.float32: "fp32", torch.int64: "i64"})
+
+    class Recorder:
+        def __init__(self, kernel: Any) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid: Any) -> Callable[..., None]:
+            def launch(*args: Any, **kw: Any) -> None:
+                names = self.kernel.arg_names
+                params = {**dict(zip(names, args, strict=False)), **kw}
+                const = {k: v for k, v in params.items() if k.isupper()}
+                sig = {}
+                for k in names:
+                    v = params[k]
+                    if k in const:
+                        sig[k] = "constexpr"
+                    elif isinstance(v, torch.Tensor):
+                        sig[k] = "*" + _PTR[v.dtype]
+                    else:
+                        sig[k] = "i64" if k in ("offset", "key0", "key1") else "i32"
+                key = f"{self.kernel.fn.__name__}{sorted(sig.items())}{sorted(const.items())}"
+                launches[key] = (self.kernel, sig, const)
+
+            return launch
+
+    for module in (hashing, intq, mx, passthrough):
+        for attr, value in list(vars(module).items()):
+            if attr.endswith("_kernel"):
+                setattr(module, attr, Recorder(value))
+        module.tile_elems = lambda device: 2048  # type: ignore[attr-defined]  # GPU geometry
+    ctx = HopContext(seed=1)
+    families = {"passthrough": passthrough, "intq": intq, "mx": mx}
+    for codec in _codecs().values():
+        family = families[K._builtin_module(type(codec)) or ""]  # the launchers, directly
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.ones(100_000, dtype=dtype)  # launch geometry of real sizes
+            p = family.encode(codec, x, ctx)
+            family.decode(codec, p, x.numel(), ctx)
+            family.reduce(codec, p, x, ctx, ctx)
+    hashing.hash_u32(torch.arange(10), (1, 2))
+    hashing.uniform_open01(torch.arange(10), (1, 2))
+    target = GPUTarget("cuda", arch, 32)
+    print(f"compiling {len(launches)} kernel variants for sm_{arch} (Triton {triton.__version__})")
+    failures = 0
+    for kernel, sig, const in launches.values():
+        t0 = time.perf_counter()
+        src = ASTSource(
+            fn=kernel,
+            signature=sig,
+            constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()},
+        )
+        try:
+            compiled = triton.compile(src, target=target, options={"enable_fp_fusion": False})
+            assert "cubin" in compiled.asm
+            status = "ok"
+        except Exception as exc:  # report every failure, not just the first
+            failures += 1
+            status = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
+        print(f"  {kernel.fn.__name__:26s} {time.perf_counter() - t0:5.1f}s {status}  {const}")
+    print(f"{len(launches) - failures}/{len(launches)} compiled")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

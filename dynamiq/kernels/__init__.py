@@ -1,0 +1,404 @@
+"""Kernel dispatch: Triton kernels where they can run, the codec's PyTorch reference elsewhere.
+
+Implements DESIGN.md, "Kernels". :func:`encode`, :func:`decode` and :func:`reduce` take a
+``backend``:
+
+* ``"reference"``: the codec's own ``_encode`` / ``_decode`` / ``_reduce`` (pure PyTorch, any
+  device; on the CPU this is the fast path);
+* ``"triton"``: the codec's Triton kernel, natively on CUDA tensors and through Triton's
+  interpreter on CPU tensors (slow: for tests). Triton fixes the mode when it is imported:
+  if it is not imported yet, this sets ``TRITON_INTERPRET=1`` for the process (``"auto"``
+  ignores that setting); if it was imported without it, CPU tensors raise. Raises if Triton
+  is not installed or the codec has no kernel for the operation;
+* ``"auto"`` (what :class:`~dynamiq.codecs.Codec`'s own methods use): Triton for CUDA tensors,
+  and for CPU tensors when ``TRITON_INTERPRET=1`` is set; the reference otherwise, and for
+  codecs without kernels.
+
+The built-in families (``fp32``/``bf16``/``fp16``, ``int``, MX) have kernels in
+:mod:`dynamiq.kernels.passthrough`, :mod:`~dynamiq.kernels.intq` and :mod:`~dynamiq.kernels.mx`,
+bit-exact with the references. Plugin codecs add theirs with :func:`register_kernels`.
+Kernels belong to a class, not to its subclasses (a subclass may change what the reference
+computes): a subclass runs on its reference until it registers kernels itself.
+
+On the CPU the reference can run compiled by ``torch.compile`` (bit-exact, several times
+faster on large inputs, but 15-50 s of compilation per codec configuration the first time):
+opt in with ``DYNAMIQ_CPU_COMPILE=1`` or :func:`set_cpu_compile` (see
+:mod:`dynamiq.kernels._compiled`).
+
+``import dynamiq`` does not import Triton: it is imported the first time the Triton backend is
+chosen. :func:`last_backend` and :func:`launch_counts` tell a test which path ran.
+
+>>> import torch, dynamiq
+>>> codec = dynamiq.get_codec("int8")
+>>> x = torch.linspace(-1, 1, 64)
+>>> bool(torch.equal(encode(codec, x, backend="reference"), codec.encode(x)))
+True
+>>> last_backend()
+'reference'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import _compiled
+from ._compiled import set_cpu_compile
+from ._stats import launch_counts
+
+if TYPE_CHECKING:
+    from dynamiq.codecs.base import Codec, HopContext
+
+__all__ = [
+    "BACKENDS",
+    "KernelSet",
+    "decode",
+    "encode",
+    "has_kernels",
+    "last_backend",
+    "launch_counts",
+    "reduce",
+    "register_kernels",
+    "set_cpu_compile",
+]
+
+#: the accepted values of ``backend``
+BACKENDS = ("auto", "triton", "reference")
+_OPS = ("encode", "decode", "reduce")
+
+EncodeKernel = Callable[["Codec", torch.Tensor, "HopContext"], torch.Tensor]
+DecodeKernel = Callable[["Codec", torch.Tensor, int, "HopContext"], torch.Tensor]
+ReduceKernel = Callable[
+    ["Codec", torch.Tensor, torch.Tensor, "HopContext", "HopContext"], torch.Tensor
+]
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """The Triton implementations of a codec class (``None``: that operation runs on the
+    reference). Each takes already validated arguments, with ``ctx`` never ``None``:
+    ``encode(codec, x, ctx)``, ``decode(codec, payload, numel, ctx)``,
+    ``reduce(codec, payload, local, ctx, out_ctx)``."""
+
+    encode: EncodeKernel | None = None
+    decode: DecodeKernel | None = None
+    reduce: ReduceKernel | None = None
+
+
+#: built-in codec classes -> the kernel module of their family (imported on first use)
+_BUILTIN = {
+    "dynamiq.codecs.passthrough.FP32Codec": "passthrough",
+    "dynamiq.codecs.passthrough.BF16Codec": "passthrough",
+    "dynamiq.codecs.passthrough.FP16Codec": "passthrough",
+    "dynamiq.codecs.intq.IntCodec": "intq",
+    **{f"dynamiq.codecs.mx.{c}": "mx" for c in ("MXFP8E4M3", "MXFP8E5M2", "MXFP6E3M2")},
+    **{f"dynamiq.codecs.mx.{c}": "mx" for c in ("MXFP6E2M3", "MXFP4", "MXINT8")},
+}
+_PLUGINS: dict[type, KernelSet] = {}
+_LOCK = threading.Lock()
+_LOCAL = threading.local()
+
+
+def register_kernels(
+    codec_cls: type[Codec],
+    *,
+    encode: EncodeKernel | None = None,
+    decode: DecodeKernel | None = None,
+    reduce: ReduceKernel | None = None,
+    replace: bool = False,
+) -> None:
+    """Register Triton kernels for ``codec_cls`` (exactly that class, not its subclasses).
+
+    Operations left ``None`` run on the codec's reference. Registering a class twice raises
+    ``ValueError`` unless ``replace=True``. The kernels are only called when the Triton
+    backend is chosen, so a plugin may import Triton inside them.
+    """
+    from dynamiq.codecs.base import Codec
+
+    if not (isinstance(codec_cls, type) and issubclass(codec_cls, Codec)):
+        raise TypeError(f"register_kernels takes a Codec subclass (got {codec_cls!r})")
+    given = {"encode": encode, "decode": decode, "reduce": reduce}
+    for op, fn in given.items():
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{op} must be callable or None (got {type(fn).__name__})")
+    if all(fn is None for fn in given.values()):
+        raise ValueError("register_kernels needs at least one of encode, decode, reduce")
+    with _LOCK:
+        if (codec_cls in _PLUGINS or _builtin_module(codec_cls)) and not replace:
+            raise ValueError(
+                f"kernels for {codec_cls.__module__}.{codec_cls.__qualname__} are already "
+                "registered; pass replace=True to override them"
+            )
+        _PLUGINS[codec_cls] = KernelSet(encode=encode, decode=decode, reduce=reduce)
+
+
+def has_kernels(codec: Codec, op: str | None = None) -> bool:
+    """Whether ``codec`` has a Triton kernel for ``op`` (any of them when ``op`` is None)."""
+    if op is not None and op not in _OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, _OPS))} (got {op!r})")
+    cls = type(codec)
+    if cls in _PLUGINS:
+        ks = _PLUGINS[cls]
+        return any(getattr(ks, o) is not None for o in ([op] if op else _OPS))
+    return _builtin_module(cls) is not None
+
+
+def last_backend() -> str | None:
+    """The backend (``"triton"`` or ``"reference"``) of this thread's last dispatched call."""
+    return getattr(_LOCAL, "backend", None)
+
+
+# -- the three operations -------------------------------------------------------------------
+
+
+def encode(
+    codec: Codec, x: torch.Tensor, ctx: HopContext | None = None, backend: str = "auto"
+) -> torch.Tensor:
+    """``codec.encode(x, ctx)`` on ``backend`` (same checks, same bytes)."""
+    from dynamiq.codecs.base import _check_ctx, _check_values
+
+    ctx = _check_ctx(ctx)
+    _check_values("x", x)
+    fn = _choose(codec, "encode", x.device, backend)
+    if fn is None:
+        out = _reference(codec, "encode", x.device, x.numel(), x, ctx)
+    else:
+        with _kernel_scope(x.device):
+            out = fn(codec, x, ctx)
+    _done(fn)
+    return out
+
+
+def decode(
+    codec: Codec,
+    payload: torch.Tensor,
+    numel: int,
+    ctx: HopContext | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``codec.decode(payload, numel, ctx)`` on ``backend``: an fp32 tensor."""
+    from dynamiq.codecs.base import _check_ctx, check_int
+
+    ctx = _check_ctx(ctx)
+    check_int("numel", numel, 0)
+    codec._check_payload(payload, numel, ctx)
+    fn = _choose(codec, "decode", payload.device, backend)
+    if fn is None:
+        out = _reference(codec, "decode", payload.device, numel, payload, numel, ctx)
+    else:
+        with _kernel_scope(payload.device):
+            out = fn(codec, payload, numel, ctx)
+    _done(fn)
+    return out
+
+
+def reduce(
+    codec: Codec,
+    payload: torch.Tensor,
+    local: torch.Tensor,
+    ctx: HopContext | None = None,
+    out_ctx: HopContext | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``codec.reduce(payload, local, ctx, out_ctx)`` on ``backend``: the fused
+    decompress-accumulate-recompress (one pass over memory on the Triton backend)."""
+    from dynamiq.codecs.base import _check_ctx, _check_values
+
+    ctx = _check_ctx(ctx)
+    out_ctx = ctx if out_ctx is None else _check_ctx(out_ctx)
+    _check_values("local", local)
+    if isinstance(payload, torch.Tensor) and payload.device != local.device:
+        raise ValueError(
+            f"payload and local must be on the same device "
+            f"(got {payload.device} and {local.device})"
+        )
+    codec._check_payload(payload, local.numel(), ctx)
+    fn = _choose(codec, "reduce", local.device, backend)
+    if fn is None:
+        out = _reference(codec, "reduce", local.device, local.numel(), payload, local, ctx, out_ctx)
+    else:
+        with _kernel_scope(local.device):
+            out = fn(codec, payload, local, ctx, out_ctx)
+    _done(fn)
+    return out
+
+
+def _reference(codec: Codec, op: str, device: torch.device, numel: int, *args: Any) -> Any:
+    """The codec's reference; on the CPU, compiled when that is switched on (opt-in)."""
+    if (
+        device.type == "cpu"
+        and numel >= _compiled.MIN_NUMEL
+        and _compiled.cpu_compile_enabled()
+        and _compilable(codec)
+    ):
+        return _compiled.run(codec, op, *args)
+    return getattr(codec, f"_{op}")(*args)
+
+
+def _compilable(codec: Codec) -> bool:
+    # built-in references that do not read the hop context (no recompilation per context)
+    if _builtin_module(type(codec)) is None:
+        return False
+    return getattr(codec, "rounding", "nearest") == "nearest"
+
+
+# -- backend choice -------------------------------------------------------------------------
+
+
+def _choose(codec: Codec, op: str, device: torch.device, backend: str) -> Any:
+    """The Triton implementation of ``op`` to run, or ``None`` for the reference."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"backend must be one of {', '.join(map(repr, BACKENDS))} (got {backend!r})"
+        )
+    fn = None
+    if backend == "triton":
+        fn = _kernel(codec, op, device)
+        if fn is None:
+            raise NotImplementedError(
+                f"codec {codec.codec_id!r} ({type(codec).__qualname__}) has no Triton kernel "
+                f"for {op}; register one with dynamiq.kernels.register_kernels or use "
+                "backend='reference'"
+            )
+    elif backend == "auto" and _auto_triton(device) and has_kernels(codec, op):
+        fn = _kernel(codec, op, device)
+    _done(fn)
+    return fn
+
+
+def _done(fn: Any) -> None:
+    # set before and after the call: a codec whose reference calls other codecs' public
+    # methods (nested dispatches) reports its own backend
+    _LOCAL.backend = "reference" if fn is None else "triton"
+
+
+def _auto_triton(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return _triton_installed()
+    # the CPU: only when the user asked for the interpreter (and Triton can still use it)
+    if device.type != "cpu" or _ENV_SET_HERE or not _interpret_env():
+        return False
+    if "triton" in sys.modules:
+        return _triton_interpreting()
+    return _triton_installed()
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
+
+
+def _triton_installed() -> bool:
+    if "triton" in sys.modules:
+        return True
+    return importlib.util.find_spec("triton") is not None
+
+
+def _kernel(codec: Codec, op: str, device: torch.device) -> Any:
+    if device.type not in ("cuda", "cpu"):
+        raise RuntimeError(
+            f"the Triton backend runs on CUDA tensors (natively) and CPU tensors (interpreter), "
+            f"not on {device.type}; use backend='reference'"
+        )
+    if not _triton_installed():
+        raise ImportError(
+            "backend='triton' needs Triton (pip install 'triton>=3.6', or the "
+            "dynamiq-allreduce[kernels] extra); use backend='reference' without it"
+        )
+    cls = type(codec)
+    if cls in _PLUGINS:
+        return getattr(_PLUGINS[cls], op)
+    name = _builtin_module(cls)
+    if name is None:
+        return None
+    return getattr(_builtin(name, interpret=device.type == "cpu"), op)
+
+
+def _builtin_module(cls: type) -> str | None:
+    return _BUILTIN.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+# -- loading the built-in kernel modules ------------------------------------------------------
+
+#: whether this module set TRITON_INTERPRET=1 itself (for a forced backend="triton" on the CPU)
+_ENV_SET_HERE = False
+
+
+def _builtin(name: str, *, interpret: bool) -> types.ModuleType:
+    """The kernel module ``name``, its kernels compiled or interpreted like Triton's own.
+
+    Triton fixes when it is imported whether ``@triton.jit`` functions, its own included, are
+    compiled or interpreted (``TRITON_INTERPRET``). CPU tensors need the interpreter: if
+    Triton is not imported yet, ``TRITON_INTERPRET=1`` is set for the process first; if it was
+    imported in compiled mode, that is an error.
+    """
+    global _ENV_SET_HERE
+    with _LOCK:
+        if interpret and "triton" not in sys.modules and not _interpret_env():
+            os.environ["TRITON_INTERPRET"] = "1"
+            _ENV_SET_HERE = True
+        interpreted = _triton_interpreting()
+        if interpret and not interpreted:
+            raise RuntimeError(
+                "the Triton backend runs CPU tensors through Triton's interpreter, but Triton "
+                "was imported without TRITON_INTERPRET=1: set it before Triton is imported, "
+                "or use backend='reference' (or CUDA tensors)"
+            )
+        with _env("TRITON_INTERPRET", "1" if interpreted else "0"):
+            module = importlib.import_module(f"{__name__}.{name}")
+        if _is_interpreted(module) != interpreted:
+            raise RuntimeError(
+                f"{module.__name__} was imported while TRITON_INTERPRET differed from the mode "
+                "Triton was imported in; import it through dynamiq.kernels or set "
+                "TRITON_INTERPRET before importing Triton"
+            )
+        return module
+
+
+def _is_interpreted(module: types.ModuleType) -> bool:
+    """Whether the ``@triton.jit`` functions of ``module`` run in Triton's interpreter."""
+    return any(type(v).__name__ == "InterpretedFunction" for v in vars(module).values())
+
+
+def _triton_interpreting() -> bool:
+    """Whether Triton (imported here if needed) runs ``@triton.jit`` functions interpreted."""
+    import triton.language as tl
+
+    return type(tl.zeros).__name__ == "InterpretedFunction"
+
+
+@contextlib.contextmanager
+def _env(key: str, value: str) -> Iterator[None]:
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = old
+
+
+@contextlib.contextmanager
+def _kernel_scope(device: torch.device) -> Iterator[None]:
+    """Run a kernel. On the CPU, Triton's interpreter runs it: ``TRITON_INTERPRET=1`` must
+    hold while it launches (Triton imports parts of itself lazily, checking the mode), and
+    it computes with NumPy, whose warnings about IEEE results (Inf - Inf, overflow to Inf)
+    are expected: silence them there."""
+    if device.type != "cpu":
+        yield
+        return
+    import numpy as np
+
+    with _env("TRITON_INTERPRET", "1"), np.errstate(all="ignore"):
+        yield

@@ -1,0 +1,320 @@
+"""Triton helpers shared by the kernel families (DESIGN.md, "Kernels").
+
+Everything here is a ``@triton.jit`` device function that mirrors one piece of the PyTorch
+reference in :mod:`dynamiq.codecs` bit for bit:
+
+* the counter hash (:mod:`dynamiq.codecs.hashing`): :func:`fmix32`, :func:`hash_u32`,
+  :func:`uniform_open01`, written once here for every Triton kernel;
+* float bit patterns: fp32 <-> int32 by bitcast, bf16 by 16-bit shifts, fp16 by integer
+  operations, NaN written as the canonical quiet NaN of each format;
+* element formats (:class:`dynamiq.codecs.formats.ElementFormat`): encode (round to nearest,
+  ties to even, on the fp32 bit pattern with integer operations) and decode, never through a
+  Triton fp8 cast;
+* dense LSB-first bit packing (:mod:`dynamiq.codecs.packing`) of a ``[R, G, 8]`` tile of codes:
+  group ``g`` of 8 consecutive codes occupies ``BITS`` consecutive bytes.
+
+Tiles are 3-D ``[R, G, 8]``: ``R`` rows, each row ``G`` groups of 8 consecutive elements.
+
+Importing this module imports Triton; only :mod:`dynamiq.kernels` imports it, lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# -- kinds of value buffers (``IN_KIND``, ``SRC_KIND``, ``DST_KIND`` meta-parameters) ----------
+
+KIND_FP32 = 0
+KIND_BF16 = 1
+KIND_FP16 = 2
+
+_KINDS = {torch.float32: (KIND_FP32, torch.int32), torch.bfloat16: (KIND_BF16, torch.int16)}
+_KINDS[torch.float16] = (KIND_FP16, torch.int16)
+
+
+def value_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """An integer view of a fp32/bf16/fp16 buffer (kernels work on bit patterns) and its kind."""
+    kind, itype = _KINDS[x.dtype]
+    return x.view(itype), kind
+
+
+def tile_elems(device: torch.device) -> int:
+    """Elements per program: GPU-sized, larger for the CPU interpreter (fewer Python loops)."""
+    return 8192 if device.type == "cpu" else 2048
+
+
+# canonical quiet NaNs written by the codecs (dynamiq.codecs.passthrough / intq)
+NAN_F32: tl.constexpr = tl.constexpr(0x7FC00000)
+NAN_BF16: tl.constexpr = tl.constexpr(0x7FC0)
+NAN_F16: tl.constexpr = tl.constexpr(0x7E00)
+
+
+# -- counter hash (dynamiq.codecs.hashing) --------------------------------------------------
+
+
+@triton.jit
+def fmix32(h):
+    """MurmurHash3's 32-bit finalizer on ``uint32`` values."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def hash_u32(index, key0, key1):
+    """``hashing.hash_u32``: hash global element indices (int64 >= 0) to ``uint32``."""
+    lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    hi = (index >> 32).to(tl.uint32)
+    h = fmix32(lo * 0x9E3779B1 + key0.to(tl.uint32))
+    return fmix32(h ^ hi ^ key1.to(tl.uint32))
+
+
+@triton.jit
+def uniform_open01(h):
+    """``hashing.uniform_open01``: ``(2 * (h >> 9) + 1) * 2^-24`` in fp32 (exact)."""
+    return ((h >> 9) * 2 + 1).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08  # 2^-24
+
+
+# -- fp32 bit patterns ----------------------------------------------------------------------
+
+
+@triton.jit
+def f32_to_bits(x):
+    return x.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def bits_to_f32(b):
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exponent_of(a):
+    """``formats.exponent_of`` of fp32 magnitude bits ``a`` (int32 >= 0): floor(log2), zero
+    gives -150, NaN/Inf give 128."""
+    e = a >> 23
+    m = a & 0x7FFFFF
+    # subnormal: the exponent of the mantissa's leading bit (exact int -> float of < 2^23)
+    sub = (f32_to_bits(m.to(tl.float32)) >> 23) - 127 - 149
+    out = tl.where(e > 0, e - 127, sub)
+    return tl.where(a == 0, -150, out)
+
+
+@triton.jit
+def floor_log2(n):
+    """floor(log2(n)) of integers 1 <= n <= 2^24 (exact int -> float conversion); -127 for 0."""
+    return (f32_to_bits(n.to(tl.float32)) >> 23) - 127
+
+
+@triton.jit
+def rne_shift(sig, shift):
+    """``formats._rne_shift``: ``sig >> shift`` rounded to nearest, ties to even (1..25)."""
+    q = sig >> shift
+    rem = sig & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+    return q + up.to(q.dtype)
+
+
+# -- value buffers: fp32 / bf16 / fp16 <-> fp32 bits ------------------------------------------
+
+
+@triton.jit
+def f16_bits_to_f32_bits(h):
+    """fp16 bit pattern (low 16 bits of an int32) -> fp32 bit pattern, exact; NaN keeps its
+    sign and payload (as a hardware conversion does)."""
+    h = h & 0xFFFF
+    sign = (h >> 15) << 31
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    normal = ((e + 112) << 23) | (m << 13)
+    # subnormal: m * 2^-24, normalised by the float conversion of m (exact, m < 2^10)
+    sub = f32_to_bits(m.to(tl.float32)) - (24 << 23)
+    special = 0x7F800000 | (m << 13)
+    mag = tl.where(e == 0x1F, special, tl.where(e > 0, normal, tl.where(m > 0, sub, 0)))
+    return sign | mag
+
+
+@triton.jit
+def load_f32(ptr, offs, mask, KIND: tl.constexpr):
+    """fp32 values of a value buffer (``ptr`` is an int32 view for fp32 and an int16 view for
+    bf16/fp16); 0 where masked."""
+    if KIND == 0:
+        bits = tl.load(ptr + offs, mask=mask, other=0)
+    elif KIND == 1:
+        bits = (tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16
+    else:
+        bits = f16_bits_to_f32_bits(tl.load(ptr + offs, mask=mask, other=0).to(tl.int32))
+    return bits_to_f32(bits)
+
+
+@triton.jit
+def round_float_mag(sig, ue, NMANT: tl.constexpr, BIAS: tl.constexpr, MAX_CODE: tl.constexpr):
+    """``ElementFormat._round_float``: magnitude code of ``sig * 2^(ue - 23)`` (RNE, with
+    subnormals), capped at ``MAX_CODE + 1`` (overflow)."""
+    bexp = ue + BIAS
+    extra = tl.maximum(1 - bexp, 0)
+    shift = tl.minimum(23 - NMANT + extra, 25)
+    r = rne_shift(sig, shift)
+    # a carry out of the mantissa (r == 2^(NMANT+1)) bumps the exponent by itself
+    mag = (tl.maximum(bexp - 1, 0) << NMANT) + r
+    return tl.minimum(mag, MAX_CODE + 1)
+
+
+@triton.jit
+def split_f32(bits, scale_exp):
+    """Normalised significand and exponent of ``|x| * 2^-scale_exp`` (``ElementFormat.encode``):
+    value = sig * 2^(ue - 23), sig in [2^23, 2^24) or 0; also the magnitude bits."""
+    a = bits & 0x7FFFFFFF
+    e = a >> 23
+    m = a & 0x7FFFFF
+    ue = exponent_of(a) - scale_exp
+    lead = tl.where(e > 0, 23, tl.maximum(floor_log2(m), 0))
+    sig = tl.where(e > 0, m | 0x800000, m << (23 - lead))
+    return sig, ue, a
+
+
+@triton.jit
+def f32_to_f16_bits(bits):
+    """``x.clamp(-65504, 65504).to(float16)`` for finite x (±Inf stays ±Inf) as fp16 bits in
+    an int32; NaN becomes the canonical quiet NaN 0x7E00."""
+    a = bits & 0x7FFFFFFF
+    sign = (bits >> 16) & 0x8000
+    # saturate finite values above 65504 (0x477fe000) first: a finite value never becomes Inf
+    a = tl.where((a > 0x477FE000) & (a < 0x7F800000), 0x477FE000, a)
+    sig, ue, a = split_f32(a, 0)
+    mag = round_float_mag(sig, ue, 10, 15, 0x7BFF)
+    mag = tl.where(a == 0, 0, mag)
+    mag = tl.where(a == 0x7F800000, 0x7C00, mag)
+    return tl.where(a > 0x7F800000, NAN_F16, sign | mag)
+
+
+@triton.jit
+def f32_to_bf16_bits(bits):
+    """``x.clamp(-max, max).to(bfloat16)`` for finite x (RNE on the bit pattern; ±Inf stays
+    ±Inf) as bf16 bits in an int32; NaN becomes the canonical quiet NaN 0x7FC0."""
+    a = bits & 0x7FFFFFFF
+    sign = (bits >> 16) & 0x8000
+    a = tl.where((a > 0x7F7F0000) & (a < 0x7F800000), 0x7F7F0000, a)  # saturate at bf16 max
+    r = (a + 0x7FFF + ((a >> 16) & 1)) >> 16
+    return tl.where(a > 0x7F800000, NAN_BF16, sign | r)
+
+
+# -- element formats (dynamiq.codecs.formats.ElementFormat, saturate=True) ----------------------
+
+#: ``SPECIALS`` meta-parameter of an element format (``ElementFormat.specials``)
+SPECIALS = {"ieee": 0, "fn": 1, "none": 2, "int": 3}
+
+
+@triton.jit
+def encode_element(
+    bits,
+    scale_exp,
+    NMANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    BITS: tl.constexpr,
+    SPECIALS: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    INF_CODE: tl.constexpr,
+):
+    """``ElementFormat.encode(x, scale_exp, saturate=True)`` on fp32 bits: the code of
+    ``x * 2^-scale_exp`` (int32, low ``BITS`` bits)."""
+    sign = (bits >> 31) & 1
+    sig, ue, a = split_f32(bits, scale_exp)
+    if SPECIALS == 3:
+        # ElementFormat._round_int: value * 2^NMANT = sig * 2^(ue - 23 + NMANT)
+        shift = tl.minimum(tl.maximum(23 - NMANT - ue, 1), 25)
+        r = rne_shift(sig, shift)
+        mag = tl.minimum(tl.where(ue > 23 - NMANT - 1, MAX_CODE + 1, r), MAX_CODE + 1)
+    else:
+        mag = round_float_mag(sig, ue, NMANT, BIAS, MAX_CODE)
+    mag = tl.where(a == 0, 0, mag)
+    mag = tl.where(mag > MAX_CODE, MAX_CODE, mag)  # saturate
+    isinf = a == 0x7F800000
+    if SPECIALS == 0:  # noqa: SIM108 - a constexpr branch of Triton code
+        mag = tl.where(isinf, INF_CODE, mag)
+    else:
+        mag = tl.where(isinf, MAX_CODE, mag)
+    isnan = a > 0x7F800000
+    if SPECIALS == 0 or SPECIALS == 1:
+        mag = tl.where(isnan, NAN_CODE, mag)
+    else:
+        mag = tl.where(isnan, 0, mag)
+    if SPECIALS == 3:
+        code = tl.where(sign == 1, (-mag) & 0xFF, mag)
+        code = tl.where(isnan, 0, code)
+    else:
+        code = mag | (sign << (BITS - 1))
+    return code
+
+
+@triton.jit
+def decode_element(
+    code,
+    NEXP: tl.constexpr,
+    NMANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    BITS: tl.constexpr,
+    SPECIALS: tl.constexpr,
+):
+    """``ElementFormat.decode`` with integer operations: fp32 value of ``code`` (int32)."""
+    if SPECIALS == 3:
+        q = tl.where(code >= (1 << (BITS - 1)), code - (1 << BITS), code)
+        val = q.to(tl.float32) * (2.0**-NMANT)  # exact: |q| <= 2^7, power-of-two factor
+    else:
+        mag = code & ((1 << (NEXP + NMANT)) - 1)
+        sign = (code >> (NEXP + NMANT)) & 1
+        bexp = mag >> NMANT
+        man = mag & ((1 << NMANT) - 1)
+        normal = ((bexp - BIAS + 127) << 23) | (man << (23 - NMANT))
+        # subnormal: man * 2^(1 - BIAS - NMANT), normalised by the leading bit of man
+        lead = tl.maximum(floor_log2(man), 0)
+        sub = ((lead + 1 - BIAS - NMANT + 127) << 23) | ((man - (1 << lead)) << (23 - lead))
+        mbits = tl.where(bexp > 0, normal, tl.where(man > 0, sub, 0))
+        if SPECIALS == 0:
+            mbits = tl.where(bexp == (1 << NEXP) - 1, tl.where(man == 0, 0x7F800000, 0), mbits)
+        val = bits_to_f32(mbits | (sign << 31))
+        if SPECIALS == 0:
+            val = tl.where((bexp == (1 << NEXP) - 1) & (man != 0), float("nan"), val)
+        elif SPECIALS == 1:
+            val = tl.where(mag == (1 << (NEXP + NMANT)) - 1, float("nan"), val)
+    return val
+
+
+# -- dense LSB-first bit packing of [R, G, 8] tiles (dynamiq.codecs.packing) ------------------
+
+
+@triton.jit
+def load_codes(stream_ptr, grp, gmask, elem, emask, nbytes, BITS: tl.constexpr):
+    """Codes ``[R, G, 8]`` (int32) of the groups ``grp`` ``[R, G]`` (int64 group indices) of a
+    packed stream of ``nbytes`` bytes; ``elem`` ``[R, G, 8]`` are the element indices."""
+    if BITS == 8:
+        codes = tl.load(stream_ptr + elem, mask=emask, other=0).to(tl.int32)
+    else:
+        j = tl.arange(0, 8)[None, None, :]
+        boff = grp[:, :, None] * BITS + j
+        bmask = gmask[:, :, None] & (j < BITS) & (boff < nbytes)
+        byte = tl.load(stream_ptr + boff, mask=bmask, other=0).to(tl.int64)
+        word = tl.sum(byte << (8 * j), axis=2)  # 8 codes of BITS bits: one word of <= 56 bits
+        codes = ((word[:, :, None] >> (j * BITS)) & ((1 << BITS) - 1)).to(tl.int32)
+    return codes
+
+
+@triton.jit
+def store_codes(stream_ptr, codes, grp, gmask, elem, emask, nbytes, BITS: tl.constexpr):
+    """Pack the low ``BITS`` bits of ``codes`` ``[R, G, 8]`` (0 where masked) into groups."""
+    if BITS == 8:
+        tl.store(stream_ptr + elem, codes.to(tl.uint8), mask=emask)
+    else:
+        j = tl.arange(0, 8)[None, None, :]
+        c = (tl.where(emask, codes, 0) & ((1 << BITS) - 1)).to(tl.int64)
+        word = tl.sum(c << (j * BITS), axis=2)  # disjoint bit fields: the sum is an OR
+        boff = grp[:, :, None] * BITS + j
+        bmask = gmask[:, :, None] & (j < BITS) & (boff < nbytes)
+        tl.store(stream_ptr + boff, ((word[:, :, None] >> (8 * j)) & 0xFF).to(tl.uint8), mask=bmask)
