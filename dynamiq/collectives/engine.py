@@ -342,7 +342,7 @@ def run_schedule(
         "return_bound": return_bound,
         **(descriptor or {}),
     }
-    result.control_bytes_sent += agree(transport, desc, timeout)
+    result.control_bytes_sent += agree(transport, desc, timeout, x.device)
     t0 = timer.add("agree", t0)
 
     shared = None
@@ -553,27 +553,27 @@ class PrologueComm:
         return out
 
 
-def _send_blob(transport: Transport, blob: bytes, dst: int) -> list[Work]:
+def _send_blob(transport: Transport, blob: bytes, dst: int, device: torch.device) -> list[Work]:
     data = (
         torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         if blob
         else torch.empty(0, dtype=torch.uint8)
     )
     return [
-        transport.isend(torch.tensor([len(blob)], dtype=torch.int64), dst),
-        transport.isend(data, dst),
+        transport.isend(torch.tensor([len(blob)], dtype=torch.int64, device=device), dst),
+        transport.isend(data.to(device), dst),
     ]
 
 
-def _recv_blob(transport: Transport, src: int, timeout: float) -> bytes:
-    hdr = torch.empty(1, dtype=torch.int64)
+def _recv_blob(transport: Transport, src: int, timeout: float, device: torch.device) -> bytes:
+    hdr = torch.empty(1, dtype=torch.int64, device=device)
     transport.irecv(hdr, src).wait(timeout)
     size = int(hdr[0])
     if not 0 <= size <= 1 << 24:
         raise ConfigMismatchError(f"rank {transport.rank}: malformed handshake from {src}")
-    buf = torch.empty(size, dtype=torch.uint8)
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
     transport.irecv(buf, src).wait(timeout)
-    return bytes(buf.numpy().tobytes())
+    return bytes(buf.cpu().numpy().tobytes())
 
 
 def describe_difference(a: dict[str, Any], b: dict[str, Any], ra: int, rb: int) -> str:
@@ -583,11 +583,18 @@ def describe_difference(a: dict[str, Any], b: dict[str, Any], ra: int, rb: int) 
     return "; ".join(parts)
 
 
-def agree(transport: Transport, desc: dict[str, Any], timeout: float) -> int:
+def agree(
+    transport: Transport,
+    desc: dict[str, Any],
+    timeout: float,
+    device: torch.device | str = "cpu",
+) -> int:
     """Check that every rank has the same descriptor; raise on every rank if not.
 
-    Rank 0 gathers the descriptors and sends every rank the verdict. Returns bytes sent.
+    Rank 0 gathers the descriptors and sends every rank the verdict; the messages live on
+    ``device`` (the data's: NCCL moves CUDA tensors only). Returns bytes sent.
     """
+    device = torch.device(device)
     r, n = transport.rank, transport.world_size
     if n == 1:
         return 0
@@ -599,9 +606,9 @@ def agree(transport: Transport, desc: dict[str, Any], timeout: float) -> int:
         return 0
     sent = 0
     if r != 0:
-        works = _send_blob(transport, mine, 0)
+        works = _send_blob(transport, mine, 0, device)
         sent += 8 + len(mine)
-        verdict = _recv_blob(transport, 0, timeout).decode()
+        verdict = _recv_blob(transport, 0, timeout, device).decode()
         for w in works:
             w.wait(timeout)
         if verdict:
@@ -611,7 +618,7 @@ def agree(transport: Transport, desc: dict[str, Any], timeout: float) -> int:
         return sent
     problems = []
     for src in range(1, n):
-        theirs = json.loads(_recv_blob(transport, src, timeout))
+        theirs = json.loads(_recv_blob(transport, src, timeout, device))
         if theirs != json.loads(mine):
             problems.append(describe_difference(json.loads(mine), theirs, 0, src))
     verdict = (
@@ -621,7 +628,7 @@ def agree(transport: Transport, desc: dict[str, Any], timeout: float) -> int:
     )
     works = []
     for dst in range(1, n):
-        works += _send_blob(transport, verdict.encode(), dst)
+        works += _send_blob(transport, verdict.encode(), dst, device)
         sent += 8 + len(verdict)
     for w in works:
         w.wait(timeout)
