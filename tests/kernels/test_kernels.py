@@ -395,14 +395,30 @@ def test_int_beyond_max_input_abs_raises_like_reference() -> None:
         assert got is None and want is None
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()))
+def _fixture_codec(name: str) -> Any:
+    return get_codec(json.loads((FIXTURES / name / "config.json").read_text())["codec"])
+
+
+_FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+_WITH_KERNELS = [n for n in _FIXTURE_NAMES if K.has_kernels(_fixture_codec(n))]
+_WITHOUT_KERNELS = [n for n in _FIXTURE_NAMES if n not in _WITH_KERNELS]
+
+
+@pytest.mark.parametrize("name", _WITHOUT_KERNELS)
+def test_forcing_triton_without_kernels_is_a_clear_error(name: str) -> None:
+    """Codecs with no kernels (they run on their reference under "auto") say so when Triton
+    is forced."""
+    codec = _fixture_codec(name)
+    with pytest.raises(NotImplementedError, match="kernel"):
+        K.encode(codec, torch.zeros(64, device=DEVICE), None, backend="triton")
+
+
+@pytest.mark.parametrize("name", _WITH_KERNELS)
 def test_golden_fixtures_on_triton(name: str) -> None:
     """The frozen wire bytes of ``tests/fixtures`` come out of the kernels too."""
     folder = FIXTURES / name
     meta = json.loads((folder / "config.json").read_text())
     codec = get_codec(meta["codec"])
-    if not K.has_kernels(codec):
-        pytest.skip(f"{name}: no Triton kernels")
     ctx = HopContext(**meta["ctx"])
     x = torch.frombuffer(bytearray((folder / "input.bin").read_bytes()), dtype=torch.float32)
     expected = torch.frombuffer(bytearray((folder / "payload.bin").read_bytes()), dtype=torch.uint8)
