@@ -28,8 +28,8 @@ test: lint
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dynamiq tests
-	$(VENV)/bin/ruff format --check dynamiq tests
+	$(VENV)/bin/ruff check dynamiq tests benchmarks examples
+	$(VENV)/bin/ruff format --check dynamiq tests benchmarks examples
 	$(VENV)/bin/mypy
 
 clean:
