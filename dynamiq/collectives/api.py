@@ -139,10 +139,12 @@ def _resolve(
 
 
 class AllReduceHandle:
-    """Returned by ``allreduce(..., async_op=True)``: ``wait()`` returns the stats."""
+    """Returned by ``async_op=True``: ``wait()`` returns what the call would have returned
+    (``allreduce``: the stats; ``reduce_scatter``: the Shard; ``all_gather``: the tensor and
+    the stats), or raises its error."""
 
     def __init__(self, fn: Any):
-        self._result: AllReduceStats | None = None
+        self._result: Any = None
         self._error: BaseException | None = None
 
         def body() -> None:
@@ -157,13 +159,12 @@ class AllReduceHandle:
     def is_completed(self) -> bool:
         return not self._thread.is_alive()
 
-    def wait(self, timeout: float | None = None) -> AllReduceStats:
+    def wait(self, timeout: float | None = None) -> Any:
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise TimeoutError(f"all-reduce still running after {timeout} s")
+            raise TimeoutError(f"collective still running after {timeout} s")
         if self._error is not None:
             raise self._error
-        assert self._result is not None
         return self._result
 
 
@@ -329,15 +330,17 @@ def reduce_scatter(
     seed: int = 0,
     step: int = 0,
     op: Any = "sum",
+    async_op: bool = False,
     sub_chunk: int = 1 << 18,
     timeout: float = 300.0,
     transport: Transport | None = None,
     schedule_options: dict[str, Any] | None = None,
-) -> Shard:
+) -> Shard | AllReduceHandle:
     """The reduce-scatter half: every rank gets the finished sum of the chunks it owns.
 
     The sums are the very values :func:`allreduce` would give (same codec, schedule, seed).
-    ``tensor`` is not modified.
+    ``tensor`` is not modified. ``async_op=True`` returns a handle whose ``wait()`` gives the
+    Shard.
     """
     _check_tensor(tensor)
     op = _op_name(op)
@@ -346,24 +349,28 @@ def reduce_scatter(
     sched = get_schedule(schedule, tr.world_size, **(schedule_options or {}))
     numel = tensor.numel()
     chunks, ranges = _owned_ranges(sched, c, numel, sub_chunk, tr.rank)
-    res = run_schedule(
-        tr,
-        tensor.reshape(-1),
-        c,
-        sched,
-        seed=seed,
-        step=step,
-        sub_chunk=sub_chunk,
-        timeout=timeout,
-        rounds=(0, sched.reduce_rounds),
-        outputs=chunks,
-        descriptor={"op": op, "dtype": str(tensor.dtype), "collective": "reduce_scatter"},
-    )
-    parts = [res.output[a:b] for a, b in ranges]
-    values = torch.cat(parts) if parts else torch.empty(0)
-    if op == "avg":
-        values = values / tr.world_size
-    return Shard(values, ranges, numel, AllReduceStats.from_result(res, c, sched))
+
+    def run() -> Shard:
+        res = run_schedule(
+            tr,
+            tensor.reshape(-1),
+            c,
+            sched,
+            seed=seed,
+            step=step,
+            sub_chunk=sub_chunk,
+            timeout=timeout,
+            rounds=(0, sched.reduce_rounds),
+            outputs=chunks,
+            descriptor={"op": op, "dtype": str(tensor.dtype), "collective": "reduce_scatter"},
+        )
+        parts = [res.output[a:b] for a, b in ranges]
+        values = torch.cat(parts) if parts else torch.empty(0)
+        if op == "avg":
+            values = values / tr.world_size
+        return Shard(values, ranges, numel, AllReduceStats.from_result(res, c, sched))
+
+    return AllReduceHandle(run) if async_op else run()
 
 
 def all_gather(
@@ -374,16 +381,18 @@ def all_gather(
     *,
     seed: int = 0,
     step: int = 0,
+    async_op: bool = False,
     sub_chunk: int = 1 << 18,
     timeout: float = 300.0,
     transport: Transport | None = None,
     schedule_options: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, AllReduceStats]:
+) -> tuple[torch.Tensor, AllReduceStats] | AllReduceHandle:
     """The all-gather half: every rank gets every rank's shard (fp32, flattened), encoded
     once by its owner and forwarded as bytes, so all ranks end bit-identical.
 
     ``shard`` holds this rank's owned ranges, laid out as :func:`reduce_scatter` returns them
-    (same codec, schedule and ``sub_chunk``).
+    (same codec, schedule and ``sub_chunk``). ``async_op=True`` returns a handle whose
+    ``wait()`` gives the pair.
     """
     tr = transport or TorchDistTransport(group)
     c = get_codec(codec)
@@ -402,16 +411,20 @@ def all_gather(
     for a, b in ranges:
         full[a:b] = shard.values[pos : pos + b - a]
         pos += b - a
-    res = run_schedule(
-        tr,
-        full,
-        c,
-        sched,
-        seed=seed,
-        step=step,
-        sub_chunk=sub_chunk,
-        timeout=timeout,
-        rounds=(sched.reduce_rounds, sched.num_rounds),
-        descriptor={"collective": "all_gather"},
-    )
-    return res.output, AllReduceStats.from_result(res, c, sched)
+
+    def run() -> tuple[torch.Tensor, AllReduceStats]:
+        res = run_schedule(
+            tr,
+            full,
+            c,
+            sched,
+            seed=seed,
+            step=step,
+            sub_chunk=sub_chunk,
+            timeout=timeout,
+            rounds=(sched.reduce_rounds, sched.num_rounds),
+            descriptor={"collective": "all_gather"},
+        )
+        return res.output, AllReduceStats.from_result(res, c, sched)
+
+    return AllReduceHandle(run) if async_op else run()

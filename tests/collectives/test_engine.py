@@ -239,3 +239,23 @@ def test_per_phase_accounting() -> None:
         assert {"agree", "encode", "reduce", "wait", "decode", "total"} <= set(st.seconds)
         assert st.control_bytes_sent > 0 and st.bound_bytes_sent > 0
         assert st.bytes_received > 0
+
+
+def test_reduce_scatter_and_all_gather_async() -> None:
+    xs = _xs(3, 500)
+    cl = LocalCluster(3)
+    handles = run_threads(
+        3,
+        lambda r: reduce_scatter(xs[r], "int8", "ring", transport=cl.transport(r), async_op=True),
+    )
+    shards = [h.wait(60) for h in handles]
+    cl2 = LocalCluster(3)
+    outs = run_threads(
+        3,
+        lambda r: all_gather(shards[r], "int8", "ring", transport=cl2.transport(r), async_op=True),
+    )
+    results = [h.wait(60) for h in outs]
+    assert all(torch.equal(o[0], results[0][0]) for o in results)
+    full = simulate_allreduce(xs, "int8", "ring")
+    err = (results[0][0].double() - full.exact).abs().max()
+    assert float(err) < 0.1
