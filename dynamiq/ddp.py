@@ -190,10 +190,13 @@ def dynamiq_hook(
     if state.error_feedback:
         old = state.residuals.get(index)
         if old is not None and old.numel() == numel:  # buckets are rebuilt after step 0
-            work = (grad.float() + old).to(grad.dtype)
+            wanted = grad.float() + old
+            work = wanted.to(grad.dtype)
+            # a bf16/fp16 bucket cannot hold all of it: what the cast drops is kept too
+            residual = wanted - work.float()
         else:
             work = grad.clone()
-        residual = torch.zeros(numel, dtype=torch.float32, device=grad.device)
+            residual = torch.zeros(numel, dtype=torch.float32, device=grad.device)
     else:
         work = grad.clone()
 
