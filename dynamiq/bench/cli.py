@@ -194,6 +194,24 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from dynamiq.bench.kernels import bench_kernels
+
+    device = args.device or ("cuda" if _cuda() else "cpu")
+    codecs = args.codecs.split(",")
+    rows = bench_kernels(
+        codecs, args.numel, device, iters=args.iters, compile=args.compile, progress=not args.json
+    )
+    _print_rows(rows, args)
+    return 0 if all(r["bit-exact"] for r in rows) else 1
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dynamiq",
@@ -245,6 +263,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     p.set_defaults(func=_cmd_compare)
+    bench = sub.add_parser("bench", help="benchmarks (kernels)")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p = bsub.add_parser(
+        "kernels",
+        help="fused reduce vs unfused vs the memory roofline",
+        description="For each codec: the fused decompress-accumulate-recompress reduce "
+        "(Triton on CUDA; the compiled reference on the CPU with --compile) against the "
+        "unfused reference decode + add + encode on the same device, and against the memory "
+        "roofline (bytes the fused kernel must move / measured copy bandwidth), as ratios "
+        "measured in one run. Exits 1 if the fused result is not bit-exact.",
+    )
+    p.add_argument("--codecs", default="int8,mxfp8_e4m3,mxfp4,int4,bf16", help="codec ids")
+    p.add_argument("--numel", type=int, default=1 << 24, help="values per buffer (16M)")
+    p.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--iters", type=int, default=5, help="timed runs (median)")
+    p.add_argument("--compile", action="store_true", help="CPU: the torch.compile fast path")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_bench_kernels)
     return parser
 
 

@@ -1,0 +1,124 @@
+"""``dynamiq bench kernels``: the fused ``reduce`` against the unfused path and the memory
+roofline, as ratios measured in one run (DESIGN.md, "Measures").
+
+For each codec, on one device: (a) the fused ``reduce`` through the dispatcher (Triton on
+CUDA; on the CPU the compiled reference when ``compile=True``, else the reference); (b) the
+unfused path on the same backend, ``encode(decode(payload) + local)`` as two dispatched calls
+and an add; (c) the plain PyTorch reference (``_decode``, add, ``_encode``); (d) the memory
+roofline: the bytes the fused kernel must move (incoming payload + local slice + outgoing
+payload) divided by the device's measured copy bandwidth (``clone`` of a large tensor).
+Times are medians of ``iters`` interleaved runs; (a) is checked bit for bit against (c).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dynamiq.codecs import HopContext, get_codec
+
+__all__ = ["bench_kernels", "copy_bandwidth"]
+
+# the payload is a first encoding (hop 0); the result the second (hop 1, two contributions)
+CTX = HopContext(hop=0, num_hops=2)
+OUT_CTX = HopContext(hop=1, num_hops=2, contributions=2)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], Any], device: torch.device) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t
+
+
+def copy_bandwidth(device: torch.device, numel: int, iters: int = 5) -> float:
+    """Bytes per second of ``clone`` (read + write) of ``numel`` fp32 values."""
+    x = torch.ones(numel, device=device)
+    x.clone()
+    best = min(_time(x.clone, device) for _ in range(iters))
+    return 2 * 4 * numel / best
+
+
+def bench_kernels(
+    codecs: Sequence[str],
+    numel: int = 1 << 24,
+    device: str = "cpu",
+    *,
+    iters: int = 5,
+    compile: bool = False,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """One row per codec: fused and unfused seconds, speed-up, fraction of the roofline."""
+    from dynamiq import kernels
+
+    dev = torch.device(device)
+    bw = copy_bandwidth(dev, numel)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(numel, generator=g).to(dev)
+    b = torch.randn(numel, generator=g).to(dev)
+    rows = []
+    if dev.type == "cpu":
+        kernels._compiled.set_cpu_compile(compile)
+    try:
+        for i, name in enumerate(codecs):
+            if progress:
+                print(f"\r[{i + 1}/{len(codecs)}] {name:<14}", end="", file=sys.stderr, flush=True)
+            codec = get_codec(name)
+            payload = codec.encode(a, CTX)
+
+            def fused(codec: Any = codec, payload: torch.Tensor = payload) -> torch.Tensor:
+                return kernels.reduce(codec, payload, b, CTX, OUT_CTX, backend="auto")
+
+            def unfused(codec: Any = codec, payload: torch.Tensor = payload) -> torch.Tensor:
+                y = kernels.decode(codec, payload, numel, CTX, backend="auto") + b
+                return kernels.encode(codec, y, OUT_CTX, backend="auto")
+
+            def plain(codec: Any = codec, payload: torch.Tensor = payload) -> torch.Tensor:
+                return codec._encode(codec._decode(payload, numel, CTX) + b, OUT_CTX)
+
+            t0 = time.perf_counter()
+            got = fused()
+            first = time.perf_counter() - t0
+            backend = "compiled" if compile and dev.type == "cpu" else kernels.last_backend()
+            unfused()
+            exact = bool(torch.equal(got, plain()))
+            times: dict[str, list[float]] = {"fused": [], "unfused": [], "plain": []}
+            for _ in range(iters):
+                for key, fn in (("fused", fused), ("unfused", unfused), ("plain", plain)):
+                    times[key].append(_time(fn, dev))
+            t_f = statistics.median(times["fused"])
+            t_u = statistics.median(times["unfused"])
+            t_p = statistics.median(times["plain"])
+            moved = payload.numel() * 2 + numel * b.element_size()
+            rows.append(
+                {
+                    "codec": name,
+                    "backend": backend or "",
+                    "bit-exact": exact,
+                    "first call s": first,
+                    "fused s": t_f,
+                    "unfused s": t_u,
+                    "plain reference s": t_p,
+                    "speed-up over unfused": t_u / t_f,
+                    "speed-up over plain": t_p / t_f,
+                    "roofline s": moved / bw,
+                    "fraction of roofline": (moved / bw) / t_f,
+                }
+            )
+    finally:
+        if dev.type == "cpu":
+            kernels._compiled.set_cpu_compile(None)
+        if progress:
+            print(file=sys.stderr)
+    return rows

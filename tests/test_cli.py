@@ -1,0 +1,55 @@
+"""The ``dynamiq`` command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dynamiq.bench.cli import main
+from dynamiq.codecs import list_codecs
+
+
+def test_codecs_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["codecs", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in rows] == list_codecs()
+    assert all({"bits/value", "unbiased", "bound |x̂ - x| <="} <= set(r) for r in rows)
+
+
+def test_demo_reports_every_codec_within_its_bound(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in out["errors"]] == list_codecs()
+    assert all(r["bound use"] <= 1.0 for r in out["errors"])
+    assert out["slice_stats"]["kurtosis"] > 30
+
+
+def test_bench_kernels_small(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "bench",
+                "kernels",
+                "--numel",
+                "5000",
+                "--codecs",
+                "int8,bf16",
+                "--json",
+                "--iters",
+                "2",
+            ]
+        )
+        == 0
+    )
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["codec"] for r in rows] == ["int8", "bf16"]
+    assert all(r["bit-exact"] for r in rows)
+
+
+def test_help_explains_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--codecs", "--schedules", "--workers", "--seeds", "--split", "--json"):
+        assert option in text
