@@ -605,31 +605,25 @@ def agree(
     if agreed is not None and mine in agreed:
         return 0
     sent = 0
-    if r != 0:
+    if r != 0:  # send mine to rank 0, get its verdict
         works = _send_blob(transport, mine, 0, device)
         sent += 8 + len(mine)
         verdict = _recv_blob(transport, 0, timeout, device).decode()
-        for w in works:
-            w.wait(timeout)
-        if verdict:
-            raise ConfigMismatchError(verdict)
-        if agreed is not None:
-            agreed.add(mine)
-        return sent
-    problems = []
-    for src in range(1, n):
-        theirs = json.loads(_recv_blob(transport, src, timeout, device))
-        if theirs != json.loads(mine):
-            problems.append(describe_difference(json.loads(mine), theirs, 0, src))
-    verdict = (
-        "ranks disagree on the collective's configuration: " + " | ".join(problems)
-        if problems
-        else ""
-    )
-    works = []
-    for dst in range(1, n):
-        works += _send_blob(transport, verdict.encode(), dst, device)
-        sent += 8 + len(verdict)
+    else:  # compare everybody's with mine, send the verdict to all
+        problems = []
+        for src in range(1, n):
+            theirs = json.loads(_recv_blob(transport, src, timeout, device))
+            if theirs != json.loads(mine):
+                problems.append(describe_difference(json.loads(mine), theirs, 0, src))
+        verdict = (
+            "ranks disagree on the collective's configuration: " + " | ".join(problems)
+            if problems
+            else ""
+        )
+        works = []
+        for dst in range(1, n):
+            works += _send_blob(transport, verdict.encode(), dst, device)
+            sent += 8 + len(verdict)
     for w in works:
         w.wait(timeout)
     if verdict:
