@@ -55,13 +55,16 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return padded.view(nb, block_size).abs().amax(dim=1) if nb else padded[:0]
 
 
+def _bump(c: torch.Tensor) -> torch.Tensor:
+    """The next representable value above each ``c >= 0`` of c's dtype, as fp64."""
+    bits = c.view(torch.int16 if c.dtype.itemsize == 2 else torch.int32)
+    return (bits + 1).view(c.dtype).double()
+
+
 def _round_up_to_dtype(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Smallest value of ``dtype`` >= ``q`` (fp64 in, fp64 out; q >= 0)."""
     c = q.to(dtype)
-    lo = c.double() < q
-    bits = c.view(torch.int16 if dtype.itemsize == 2 else torch.int32)
-    bumped = (bits + 1).view(dtype)
-    return torch.where(lo, bumped.double(), c.double())
+    return torch.where(c.double() < q, _bump(c), c.double())
 
 
 @register_codec
@@ -235,7 +238,4 @@ def _next_up(s: torch.Tensor, scale_format: str) -> torch.Tensor:
     """The next value of the scale format above ``s`` (fp64 in/out, s >= 0)."""
     if scale_format == "e8m0":
         return s * 2.0
-    dtype = _SCALE_DTYPE[scale_format]
-    c = s.to(dtype)
-    bits = c.view(torch.int16 if dtype.itemsize == 2 else torch.int32)
-    return (bits + 1).view(dtype).double()
+    return _bump(s.to(_SCALE_DTYPE[scale_format]))

@@ -480,17 +480,19 @@ def run_schedule(
                     out_c = octx(op.out_ctx, a)
                     out_payload = op.codec.reduce(payload, local.contiguous(), in_ctx, out_c)
                     st.payloads.append(out_payload)
-                    if residual is not None:
+                    bound = None
+                    if residual is not None or beta is not None:
+                        # the sum the fused reduce encoded (only error feedback and bounds
+                        # need it: the plain path stays one fused call)
                         v = op.codec.decode(payload, b - a, in_ctx) + local
-                        residual[a:b] += v - op.codec.decode(out_payload, b - a, out_c)
-                    if beta is not None:
-                        assert pb is not None and lb is not None
-                        v = op.codec.decode(payload, b - a, in_ctx) + local
-                        st.bounds.append(
-                            pb + lb + _slack(v) + op.codec.error_bound.max_abs_error(v, out_c)
-                        )
-                    else:
-                        st.bounds.append(None)
+                        if residual is not None:
+                            residual[a:b] += v - op.codec.decode(out_payload, b - a, out_c)
+                        if beta is not None:
+                            assert pb is not None and lb is not None
+                            bound = (
+                                pb + lb + _slack(v) + op.codec.error_bound.max_abs_error(v, out_c)
+                            )
+                    st.bounds.append(bound)
                 else:
                     v = op.codec.decode(payload, b - a, in_ctx) + local
                     work[a:b] = v
