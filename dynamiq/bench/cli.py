@@ -191,6 +191,11 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         progress=not args.quiet,
     )
     _print_rows(rows, args)
+    if args.plot:
+        from dynamiq.bench.plots import plot_compare
+
+        out = plot_compare(rows, args.plot)
+        print(f"wrote {out}", file=sys.stderr)
     return 0
 
 
@@ -262,6 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument(
+        "--plot",
+        default="",
+        metavar="PNG",
+        help="also write a PNG: vNMSE against bits/value, one panel per schedule and world "
+        "size, one line per codec family (needs matplotlib)",
+    )
     p.set_defaults(func=_cmd_compare)
     bench = sub.add_parser("bench", help="benchmarks (kernels)")
     bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
