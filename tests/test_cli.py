@@ -23,6 +23,19 @@ def test_demo_reports_every_codec_within_its_bound(capsys: pytest.CaptureFixture
     assert [r["id"] for r in out["errors"]] == list_codecs()
     assert all(r["bound use"] <= 1.0 for r in out["errors"])
     assert out["slice_stats"]["kurtosis"] > 30
+    # the real multi-process all-reduce: every rank bit-identical, fp32 exact up to summation
+    # order, compressed codecs send what their bits/value says
+    ar = {(r["codec"], r["schedule"]): r for r in out["allreduce"]}
+    assert set(ar) == {
+        (c, s)
+        for c in ("fp32", "bf16", "mxfp8_e4m3", "int8", "dynamiq")
+        for s in ("ring", "butterfly")
+    }
+    assert all(r["bit-identical"] for r in ar.values())
+    assert ar[("fp32", "ring")]["vnmse"] < 1e-12
+    assert ar[("bf16", "ring")]["bits/value"] == pytest.approx(16, rel=1e-3)
+    assert ar[("dynamiq", "butterfly")]["bits/value"] < 5.0
+    assert 0 < ar[("dynamiq", "ring")]["vnmse"] < ar[("mxfp8_e4m3", "ring")]["vnmse"]
 
 
 def test_bench_kernels_small(capsys: pytest.CaptureFixture[str]) -> None:
