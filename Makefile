@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# the example codec plugin (a separate package): installed beside dynamiq, its tests run with ours
+PLUGIN := examples/dynamiq-nf4
 # PyTorch's CPU build (on local disk on the project's machines) where no NVIDIA GPU is present;
 # on a GPU machine pip resolves the range in pyproject.toml to a CUDA build.
 TORCH_CPU := torch==2.13.0
@@ -12,13 +14,14 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(PLUGIN)/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_GPU),)
 	$(PY) -m pip install -q $(TORCH_CPU)
 endif
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e $(PLUGIN)
 	touch $(STAMP)
 
 demo: $(STAMP)
