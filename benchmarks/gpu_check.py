@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 #: codecs timed; the first two are the headline
-TIMED = ["int8", "mxfp8_e4m3", "int4", "mxfp4", "mxfp6_e3m2", "bf16", "fp32"]
+TIMED = ["int8", "mxfp8_e4m3", "int4", "mxfp4", "mxfp6_e3m2", "bf16", "fp32", "dynamiq"]
 #: non-default configurations checked beside the registered names
 EXTRA = {
     "int4_stochastic": {"id": "int", "bits": 4, "rounding": "stochastic"},
@@ -54,6 +54,25 @@ EXTRA = {
     "int5_e8m0": {"id": "int", "bits": 5, "scale_format": "e8m0"},
     "int3_block3": {"id": "int", "bits": 3, "block_size": 3},
     "int8_block4100": {"id": "int", "bits": 8, "block_size": 4100},
+    "dynamiq_stochastic": {"id": "dynamiq", "rounding": "stochastic", "span": 4096},
+    "dynamiq_correlated_slope": {
+        "id": "dynamiq",
+        "rounding": "correlated",
+        "hop_slope": 1.0,
+        "bits": 3.5,
+        "span": 2048,
+        "super_group": 256,
+    },
+    "dynamiq_uniform_k1": {"id": "dynamiq", "levels": "uniform", "scale_steps": 1, "span": 8192},
+    "dynamiq_unpooled_k3": {"id": "dynamiq", "pooled": False, "scale_steps": 3, "span": 4096},
+    "dynamiq_g3_k4": {
+        "id": "dynamiq",
+        "group": 3,
+        "super_group": 96,
+        "span": 960,
+        "scale_steps": 4,
+    },
+    "dynamiq_sg8192_b7": {"id": "dynamiq", "super_group": 8192, "span": 16384, "bits": 7.5},
 }
 
 
@@ -339,6 +358,7 @@ def compile_only(arch: int) -> int:
 
     import dynamiq.kernels as K
     from dynamiq.codecs import HopContext
+    from dynamiq.kernels import dynamiq as kdynamiq
     from dynamiq.kernels import hashing, intq, mx, passthrough
 
     launches: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
@@ -368,13 +388,13 @@ def compile_only(arch: int) -> int:
 
             return launch
 
-    for module in (hashing, intq, mx, passthrough):
+    for module in (hashing, intq, mx, passthrough, kdynamiq):
         for attr, value in list(vars(module).items()):
             if attr.endswith("_kernel"):
                 setattr(module, attr, Recorder(value))
         module.tile_elems = lambda device: 2048  # type: ignore[attr-defined]  # GPU geometry
-    ctx = HopContext(seed=1)
-    families = {"passthrough": passthrough, "intq": intq, "mx": mx}
+    ctx = HopContext(seed=1, hop=1, num_hops=4)  # num_hops > 1: DynamiQ's correlated variant
+    families = {"passthrough": passthrough, "intq": intq, "mx": mx, "dynamiq": kdynamiq}
     for codec in _codecs().values():
         family = families[K._builtin_module(type(codec)) or ""]  # the launchers, directly
         for dtype in (torch.float32, torch.bfloat16, torch.float16):

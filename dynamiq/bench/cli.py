@@ -245,7 +245,13 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if _cuda() else "cpu")
     codecs = args.codecs.split(",")
     rows = bench_kernels(
-        codecs, args.numel, device, iters=args.iters, compile=args.compile, progress=not args.json
+        codecs,
+        args.numel,
+        device,
+        iters=args.iters,
+        compile=args.compile,
+        progress=not args.json,
+        backend=args.backend,
     )
     _print_rows(rows, args)
     return 0 if all(r["bit-exact"] for r in rows) else 1
@@ -329,21 +335,33 @@ def build_parser() -> argparse.ArgumentParser:
         "kernels",
         help="fused reduce vs unfused vs the memory roofline",
         description="For each codec: the fused decompress-accumulate-recompress reduce "
-        "(Triton on CUDA; the compiled reference on the CPU with --compile) against the "
-        "unfused reference decode + add + encode on the same device, and against the memory "
-        "roofline (bytes the fused kernel must move / measured copy bandwidth), as ratios "
-        "measured in one run. Exits 1 if the fused result is not bit-exact.",
+        "(Triton on CUDA; the native C++ kernels on the CPU, or torch.compile with "
+        "--compile) against the unfused decode + add + encode on the same device, and "
+        "against the memory roofline (bytes the fused kernel must move / measured copy "
+        "bandwidth), as ratios measured in one run. Exits 1 if the fused result is not bit-exact.",
     )
     p.add_argument("--codecs", default="int8,mxfp8_e4m3,mxfp4,int4,bf16", help="codec ids")
     p.add_argument("--numel", type=int, default=1 << 24, help="values per buffer (16M)")
     p.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
     p.add_argument("--iters", type=int, default=5, help="timed runs (median)")
-    p.add_argument("--compile", action="store_true", help="CPU: the torch.compile fast path")
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "cpu", "triton", "reference"],
+        help="kernel backend of the fused path: auto (Triton on CUDA, the native C++ kernels "
+        "on the CPU where built), cpu (force the native kernels), triton, reference",
+    )
+    p.add_argument(
+        "--compile", action="store_true", help="CPU: the opt-in torch.compile path instead"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_cmd_bench_kernels)
     from dynamiq.bench import cluster as _cluster
 
     _cluster.add_parser(bsub)  # `dynamiq bench cluster` (dynamiq/bench/cluster.py)
+    from dynamiq.bench import train as _train
+
+    _train.add_parser(bsub)  # `dynamiq bench train` (dynamiq/bench/train.py)
     return parser
 
 

@@ -1,13 +1,18 @@
 """``dynamiq bench kernels``: the fused ``reduce`` against the unfused path and the memory
 roofline, as ratios measured in one run (DESIGN.md, "Measures").
 
-For each codec, on one device: (a) the fused ``reduce`` through the dispatcher (Triton on
-CUDA; on the CPU the compiled reference when ``compile=True``, else the reference); (b) the
-unfused path on the same backend, ``encode(decode(payload) + local)`` as two dispatched calls
-and an add; (c) the plain PyTorch reference (``_decode``, add, ``_encode``); (d) the memory
-roofline: the bytes the fused kernel must move (incoming payload + local slice + outgoing
-payload) divided by the device's measured copy bandwidth (``clone`` of a large tensor).
-Times are medians of ``iters`` interleaved runs; (a) is checked bit for bit against (c).
+For each codec, on one device: (a) the fused ``reduce`` through the dispatcher on
+``backend`` (``"auto"``: Triton on CUDA; on the CPU the native CPU kernels of the INT and MX
+codecs, :mod:`dynamiq.kernels.cpu_native`, or the ``torch.compile``'d reference when
+``compile=True``, else the reference); (b) the unfused path on the same backend,
+``encode(decode(payload) + local)`` as two dispatched calls and an add; (c) the plain PyTorch
+reference (``_decode``, add, ``_encode``); (d) a plain ``torch.add`` of two fp32 tensors of the
+same length, returning a new tensor as ``reduce`` does, and also into a preallocated output
+(no page faults for a fresh 4-byte-per-value buffer); (e) the memory roofline: the bytes the
+fused kernel must move (incoming payload + local slice + outgoing payload) divided by the
+device's measured copy bandwidth (the best copy of a large tensor into an allocated one).
+Times are medians of ``iters`` interleaved runs, so that other load on the machine slows all
+alike; (a) is checked bit for bit against (c).
 """
 
 from __future__ import annotations
@@ -43,10 +48,13 @@ def _time(fn: Callable[[], Any], device: torch.device) -> float:
 
 
 def copy_bandwidth(device: torch.device, numel: int, iters: int = 5) -> float:
-    """Bytes per second of ``clone`` (read + write) of ``numel`` fp32 values."""
+    """Bytes per second of copying ``numel`` fp32 values (read + write) into an allocated
+    buffer: the best of ``iters`` (a fresh ``clone`` would also time the page faults of its
+    new buffer on the CPU, understating the bandwidth)."""
     x = torch.ones(numel, device=device)
-    x.clone()
-    best = min(_time(x.clone, device) for _ in range(iters))
+    y = torch.empty_like(x)
+    y.copy_(x)
+    best = min(_time(lambda: y.copy_(x), device) for _ in range(iters))
     return 2 * 4 * numel / best
 
 
@@ -58,15 +66,23 @@ def bench_kernels(
     iters: int = 5,
     compile: bool = False,
     progress: bool = True,
+    backend: str = "auto",
 ) -> list[dict[str, Any]]:
-    """One row per codec: fused and unfused seconds, speed-up, fraction of the roofline."""
+    """One row per codec: fused, unfused, plain-reference and ``torch.add`` seconds, the
+    speed-ups, and the fraction of the roofline. ``backend`` is the dispatcher's (``"cpu"``
+    forces the native CPU kernels)."""
     from dynamiq import kernels
 
+    if backend not in kernels.BACKENDS:
+        raise ValueError(
+            f"backend must be one of {', '.join(map(repr, kernels.BACKENDS))} (got {backend!r})"
+        )
     dev = torch.device(device)
     bw = copy_bandwidth(dev, numel)
     g = torch.Generator().manual_seed(0)
     a = torch.randn(numel, generator=g).to(dev)
     b = torch.randn(numel, generator=g).to(dev)
+    c = torch.empty_like(a)
     rows = []
     if dev.type == "cpu":
         kernels._compiled.set_cpu_compile(compile)
@@ -78,11 +94,11 @@ def bench_kernels(
             payload = codec.encode(a, CTX)
 
             def fused(codec: Any = codec, payload: torch.Tensor = payload) -> torch.Tensor:
-                return kernels.reduce(codec, payload, b, CTX, OUT_CTX, backend="auto")
+                return kernels.reduce(codec, payload, b, CTX, OUT_CTX, backend=backend)
 
             def unfused(codec: Any = codec, payload: torch.Tensor = payload) -> torch.Tensor:
-                y = kernels.decode(codec, payload, numel, CTX, backend="auto") + b
-                return kernels.encode(codec, y, OUT_CTX, backend="auto")
+                y = kernels.decode(codec, payload, numel, CTX, backend=backend) + b
+                return kernels.encode(codec, y, OUT_CTX, backend=backend)
 
             def plain(codec: Any = codec, payload: torch.Tensor = payload) -> torch.Tensor:
                 return codec._encode(codec._decode(payload, numel, CTX) + b, OUT_CTX)
@@ -90,28 +106,41 @@ def bench_kernels(
             t0 = time.perf_counter()
             got = fused()
             first = time.perf_counter() - t0
-            backend = "compiled" if compile and dev.type == "cpu" else kernels.last_backend()
+            ran = "compiled" if compile and dev.type == "cpu" else kernels.last_backend()
             unfused()
             exact = bool(torch.equal(got, plain()))
-            times: dict[str, list[float]] = {"fused": [], "unfused": [], "plain": []}
+            times: dict[str, list[float]] = {k: [] for k in ("fused", "unfused", "plain", "add")}
+            times["add_out"] = []
             for _ in range(iters):
-                for key, fn in (("fused", fused), ("unfused", unfused), ("plain", plain)):
+                for key, fn in (
+                    ("fused", fused),
+                    ("unfused", unfused),
+                    ("plain", plain),
+                    ("add", lambda: torch.add(a, b)),
+                    ("add_out", lambda: torch.add(a, b, out=c)),
+                ):
                     times[key].append(_time(fn, dev))
             t_f = statistics.median(times["fused"])
             t_u = statistics.median(times["unfused"])
             t_p = statistics.median(times["plain"])
+            t_a = statistics.median(times["add"])
+            t_ao = statistics.median(times["add_out"])
             moved = payload.numel() * 2 + numel * b.element_size()
             rows.append(
                 {
                     "codec": name,
-                    "backend": backend or "",
+                    "backend": ran or "",
                     "bit-exact": exact,
                     "first call s": first,
                     "fused s": t_f,
                     "unfused s": t_u,
                     "plain reference s": t_p,
+                    "torch.add s": t_a,
+                    "torch.add into out s": t_ao,
                     "speed-up over unfused": t_u / t_f,
                     "speed-up over plain": t_p / t_f,
+                    "fused / torch.add": t_f / t_a,
+                    "fused / torch.add into out": t_f / t_ao,
                     "roofline s": moved / bw,
                     "fraction of roofline": (moved / bw) / t_f,
                 }

@@ -10,8 +10,13 @@ Implements DESIGN.md, "Kernels". :func:`encode`, :func:`decode` and :func:`reduc
   if it is not imported yet, this sets ``TRITON_INTERPRET=1`` for the process (``"auto"``
   ignores that setting); if it was imported without it, CPU tensors raise. Raises if Triton
   is not installed or the codec has no kernel for the operation;
+* ``"cpu"``: the native CPU kernels of the INT and MX codecs (:mod:`dynamiq.kernels.cpu_native`:
+  C++ built once per machine and cached, bit-exact with the reference). Raises if they cannot
+  be built or the codec has none;
 * ``"auto"`` (what :class:`~dynamiq.codecs.Codec`'s own methods use): Triton for CUDA tensors,
-  and for CPU tensors when ``TRITON_INTERPRET=1`` is set; the reference otherwise, and for
+  and for CPU tensors when ``TRITON_INTERPRET=1`` is set; on other CPU tensors of at least
+  ``cpu_native.MIN_NUMEL`` values the native CPU kernels (unless ``DYNAMIQ_CPU_KERNELS=0``
+  or the ``torch.compile`` path below is switched on); the reference otherwise, and for
   codecs without kernels.
 
 The built-in families (``fp32``/``bf16``/``fp16``, ``int``, MX) have kernels in
@@ -52,9 +57,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _compiled
+from . import _compiled, cpu_native
 from ._compiled import set_cpu_compile
 from ._stats import launch_counts
+from .cpu_native import set_cpu_kernels
 
 if TYPE_CHECKING:
     from dynamiq.codecs.base import Codec, HopContext
@@ -70,10 +76,11 @@ __all__ = [
     "reduce",
     "register_kernels",
     "set_cpu_compile",
+    "set_cpu_kernels",
 ]
 
 #: the accepted values of ``backend``
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "triton", "reference", "cpu")
 _OPS = ("encode", "decode", "reduce")
 
 EncodeKernel = Callable[["Codec", torch.Tensor, "HopContext"], torch.Tensor]
@@ -101,6 +108,7 @@ _BUILTIN = {
     "dynamiq.codecs.passthrough.BF16Codec": "passthrough",
     "dynamiq.codecs.passthrough.FP16Codec": "passthrough",
     "dynamiq.codecs.intq.IntCodec": "intq",
+    "dynamiq.codecs.dynamiq_codec.DynamiqCodec": "dynamiq",
     **{f"dynamiq.codecs.mx.{c}": "mx" for c in ("MXFP8E4M3", "MXFP8E5M2", "MXFP6E3M2")},
     **{f"dynamiq.codecs.mx.{c}": "mx" for c in ("MXFP6E2M3", "MXFP4", "MXINT8")},
 }
@@ -154,7 +162,8 @@ def has_kernels(codec: Codec, op: str | None = None) -> bool:
 
 
 def last_backend() -> str | None:
-    """The backend (``"triton"`` or ``"reference"``) of this thread's last dispatched call."""
+    """The backend (``"triton"``, ``"cpu"`` or ``"reference"``) of this thread's last
+    dispatched call."""
     return getattr(_LOCAL, "backend", None)
 
 
@@ -169,11 +178,11 @@ def encode(
 
     ctx = _check_ctx(ctx)
     _check_values("x", x)
-    fn = _choose(codec, "encode", x.device, backend)
+    fn = _choose(codec, "encode", x.device, backend, x.numel())
     if fn is None:
         out = _reference(codec, "encode", x.device, x.numel(), x, ctx)
     else:
-        with _kernel_scope(x.device):
+        with _kernel_scope(x.device, fn):
             out = fn(codec, x, ctx)
     _done(fn)
     return out
@@ -192,11 +201,11 @@ def decode(
     ctx = _check_ctx(ctx)
     check_int("numel", numel, 0)
     codec._check_payload(payload, numel, ctx)
-    fn = _choose(codec, "decode", payload.device, backend)
+    fn = _choose(codec, "decode", payload.device, backend, numel)
     if fn is None:
         out = _reference(codec, "decode", payload.device, numel, payload, numel, ctx)
     else:
-        with _kernel_scope(payload.device):
+        with _kernel_scope(payload.device, fn):
             out = fn(codec, payload, numel, ctx)
     _done(fn)
     return out
@@ -223,11 +232,11 @@ def reduce(
             f"(got {payload.device} and {local.device})"
         )
     codec._check_payload(payload, local.numel(), ctx)
-    fn = _choose(codec, "reduce", local.device, backend)
+    fn = _choose(codec, "reduce", local.device, backend, local.numel())
     if fn is None:
         out = _reference(codec, "reduce", local.device, local.numel(), payload, local, ctx, out_ctx)
     else:
-        with _kernel_scope(local.device):
+        with _kernel_scope(local.device, fn):
             out = fn(codec, payload, local, ctx, out_ctx)
     _done(fn)
     return out
@@ -235,19 +244,27 @@ def reduce(
 
 def _reference(codec: Codec, op: str, device: torch.device, numel: int, *args: Any) -> Any:
     """The codec's reference; on the CPU, compiled when that is switched on (opt-in)."""
-    if (
-        device.type == "cpu"
-        and numel >= _compiled.MIN_NUMEL
-        and _compiled.cpu_compile_enabled()
-        and _compilable(codec)
-    ):
-        return _compiled.run(codec, op, *args)
+    if device.type == "cpu" and numel >= _compiled.MIN_NUMEL and _compiled.cpu_compile_enabled():
+        if _class_name(type(codec)) in _SELF_COMPILED:
+            return getattr(codec, f"_{op}")(*args, compiled=True)
+        if _compilable(codec):
+            return _compiled.run(codec, op, *args)
     return getattr(codec, f"_{op}")(*args)
 
 
+#: built-in references that compile their own per-block functions on the CPU fast path
+#: (``codec._{op}(..., compiled=True)``) instead of a ``torch.compile`` of the whole method
+_SELF_COMPILED = {"dynamiq.codecs.dynamiq_codec.DynamiqCodec"}
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _compilable(codec: Codec) -> bool:
-    # built-in references that do not read the hop context (no recompilation per context)
-    if _builtin_module(type(codec)) is None:
+    # built-in references that do not read the hop context (no recompilation per context;
+    # DynamiQ's budget and span loop read it)
+    if _builtin_module(type(codec)) in (None, "dynamiq"):
         return False
     return getattr(codec, "rounding", "nearest") == "nearest"
 
@@ -255,8 +272,9 @@ def _compilable(codec: Codec) -> bool:
 # -- backend choice -------------------------------------------------------------------------
 
 
-def _choose(codec: Codec, op: str, device: torch.device, backend: str) -> Any:
-    """The Triton implementation of ``op`` to run, or ``None`` for the reference."""
+def _choose(codec: Codec, op: str, device: torch.device, backend: str, numel: int) -> Any:
+    """The Triton (or native CPU) implementation of ``op`` to run, or ``None`` for the
+    reference."""
     if backend not in BACKENDS:
         raise ValueError(
             f"backend must be one of {', '.join(map(repr, BACKENDS))} (got {backend!r})"
@@ -270,8 +288,20 @@ def _choose(codec: Codec, op: str, device: torch.device, backend: str) -> Any:
                 f"for {op}; register one with dynamiq.kernels.register_kernels or use "
                 "backend='reference'"
             )
+    elif backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"backend='cpu' runs CPU tensors (got {device.type} tensors)")
+        fn = cpu_native.kernel(codec, op, required=True)
     elif backend == "auto" and _auto_triton(device) and has_kernels(codec, op):
         fn = _kernel(codec, op, device)
+    elif (
+        backend == "auto"
+        and device.type == "cpu"
+        and numel >= cpu_native.MIN_NUMEL
+        and cpu_native.cpu_kernels_enabled()
+        and not _compiled.cpu_compile_enabled()
+    ):
+        fn = cpu_native.kernel(codec, op)  # None: no native kernel, or it cannot be built
     _done(fn)
     return fn
 
@@ -279,7 +309,7 @@ def _choose(codec: Codec, op: str, device: torch.device, backend: str) -> Any:
 def _done(fn: Any) -> None:
     # set before and after the call: a codec whose reference calls other codecs' public
     # methods (nested dispatches) reports its own backend
-    _LOCAL.backend = "reference" if fn is None else "triton"
+    _LOCAL.backend = "reference" if fn is None else getattr(fn, "dynamiq_backend", "triton")
 
 
 def _auto_triton(device: torch.device) -> bool:
@@ -390,12 +420,12 @@ def _env(key: str, value: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _kernel_scope(device: torch.device) -> Iterator[None]:
+def _kernel_scope(device: torch.device, fn: Any) -> Iterator[None]:
     """Run a kernel. On the CPU, Triton's interpreter runs it: ``TRITON_INTERPRET=1`` must
     hold while it launches (Triton imports parts of itself lazily, checking the mode), and
     it computes with NumPy, whose warnings about IEEE results (Inf - Inf, overflow to Inf)
-    are expected: silence them there."""
-    if device.type != "cpu":
+    are expected: silence them there. (Native CPU kernels need neither.)"""
+    if device.type != "cpu" or getattr(fn, "dynamiq_backend", "triton") != "triton":
         yield
         return
     import numpy as np

@@ -11,6 +11,11 @@ It applies to the built-in codecs whose reference does not read the hop context 
 keys of stochastic rounding would make one compilation per context) and to inputs of at
 least :data:`MIN_NUMEL` values. A compilation that fails (no C++ compiler, an Inductor error)
 falls back to the plain reference for that codec and operation, for good.
+
+For the INT and MX codecs the default CPU fast path is the native kernels of
+:mod:`dynamiq.kernels.cpu_native` (faster still, and one build per machine instead of one
+compilation per configuration); switching this path on explicitly makes ``backend="auto"``
+run it instead of them.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ N = _compiled.MIN_NUMEL + 77
 def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("DYNAMIQ_CPU_COMPILE", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # these tests are about the torch.compile path: keep the native kernels out of "auto"
+    monkeypatch.setenv("DYNAMIQ_CPU_KERNELS", "0")
     _compiled._CACHE.clear()
     yield
     _compiled.set_cpu_compile(None)

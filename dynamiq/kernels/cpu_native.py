@@ -1,0 +1,459 @@
+"""The CPU fast path: native kernels of the INT and MX codecs (DESIGN.md, "Kernels").
+
+The codecs' PyTorch references make dozens of full-tensor passes; on the CPU this module runs
+the same computation as one C++ loop per tile of blocks (``csrc/cpu_kernels.cpp``): the fused
+``reduce`` decodes the incoming payload, adds the local slice in fp32, recomputes the block
+statistics, rounds and packs without an fp32 tensor in memory, on ``torch.get_num_threads()``
+threads. It is **bit-exact** with the references (same payload bytes, same decoded values):
+the same fp32 operations in the same order, no FMA contraction, IEEE division, and integer
+arithmetic for scales, element formats, rounding decisions, packing and the counter hash of
+stochastic rounding (``tests/kernels/test_cpu_fast_path_native.py``).
+
+It covers :class:`~dynamiq.codecs.intq.IntCodec` (every ``bits``, ``block_size``,
+``rounding`` and ``scale_format``) and the six MX codecs, fp32/bf16/fp16 inputs.
+
+**Build.** The library is compiled the first time it is needed with the system C++ compiler
+(``$CXX``, else ``g++``, ``c++`` or ``clang++``; ``-O3 -march=native -ffp-contract=off``, a
+few seconds) and cached in ``$DYNAMIQ_CACHE/cpu-kernels`` (default
+``~/.cache/dynamiq/cpu-kernels``) under a name that hashes the source, the flags, the compiler
+and the CPU, so later processes load it in milliseconds and a home directory shared by
+different machines never runs code built for another CPU. Nothing is downloaded. Without a
+compiler, or if the build fails, one :class:`CPUKernelsUnavailableWarning` says why and the
+codecs run on their PyTorch reference, as before.
+
+**Dispatch** (:mod:`dynamiq.kernels`): ``backend="auto"`` runs these kernels on CPU tensors of
+at least :data:`MIN_NUMEL` values (unless ``DYNAMIQ_CPU_KERNELS=0``, :func:`set_cpu_kernels`
+``(False)``, or the ``torch.compile`` path was switched on explicitly); ``backend="cpu"``
+forces them (an error if they cannot run); ``backend="reference"`` is the plain reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._stats import record_launch
+
+if TYPE_CHECKING:
+    from dynamiq.codecs.base import Codec, HopContext
+    from dynamiq.codecs.formats import ElementFormat
+
+__all__ = [
+    "MIN_NUMEL",
+    "CPUKernelsUnavailableWarning",
+    "available",
+    "cpu_kernels_enabled",
+    "decode",
+    "encode",
+    "kernel",
+    "library_path",
+    "reduce",
+    "set_cpu_kernels",
+]
+
+#: ``backend="auto"`` uses the native kernels for CPU tensors of at least this many values
+MIN_NUMEL = 1 << 12
+
+#: values per thread below which fewer threads are started (thread start-up is ~20 us)
+_PER_THREAD = 1 << 16
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+#: no -ffast-math (IEEE division, subnormals kept), no FMA contraction: bit-exactness
+FLAGS = (
+    "-O3",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",  # lets GCC vectorize branch-free code; changes no value
+    "-fPIC",
+    "-shared",
+    "-std=c++17",
+)
+_LINK = ("-pthread",)
+_ABI_VERSION = 1
+
+
+class CPUKernelsUnavailableWarning(RuntimeWarning):
+    """The native CPU kernels could not be built or loaded; the PyTorch reference runs."""
+
+
+# -- the argument structures of csrc/cpu_kernels.cpp ------------------------------------------
+
+
+class _IntArgs(ctypes.Structure):
+    _fields_ = [  # the C struct dq_int_args
+        ("op", ctypes.c_int32),
+        ("in_kind", ctypes.c_int32),
+        ("x", ctypes.c_void_p),
+        ("inp", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("out_values", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+        ("fmt", ctypes.c_int32),
+        ("stochastic", ctypes.c_int32),
+        ("key0", ctypes.c_uint32),
+        ("key1", ctypes.c_uint32),
+        ("offset", ctypes.c_uint64),
+        ("max_in_bits", ctypes.c_uint32),
+        ("nthreads", ctypes.c_int32),
+        ("worst", ctypes.c_uint32),
+    ]
+
+
+class _MXArgs(ctypes.Structure):
+    _fields_ = [  # the C struct dq_mx_args
+        ("op", ctypes.c_int32),
+        ("in_kind", ctypes.c_int32),
+        ("x", ctypes.c_void_p),
+        ("inp", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("out_values", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("specials", ctypes.c_int32),
+        ("nmant", ctypes.c_int32),
+        ("bias", ctypes.c_int32),
+        ("bits", ctypes.c_int32),
+        ("max_code", ctypes.c_int32),
+        ("nan_code", ctypes.c_int32),
+        ("inf_code", ctypes.c_int32),
+        ("emax", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32),
+    ]
+
+
+_OP = {"encode": 0, "reduce": 1, "decode": 2}
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_SCALE_FMT = {"bf16": 0, "fp16": 1, "fp32": 2, "e8m0": 3}
+_SPECIALS = {"ieee": 0, "fn": 1, "none": 2, "int": 3}
+
+# -- switch -----------------------------------------------------------------------------------
+
+_SETTING: bool | None = None
+
+
+def set_cpu_kernels(enabled: bool | None) -> None:
+    """Let ``backend="auto"`` use the native CPU kernels or not (``None``: follow
+    ``DYNAMIQ_CPU_KERNELS``, on unless it is ``0``/``false``/``no``/``off``)."""
+    global _SETTING
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool or None (got {type(enabled).__name__})")
+    _SETTING = enabled
+
+
+def cpu_kernels_enabled() -> bool:
+    """Whether ``backend="auto"`` may use the native CPU kernels (they may still be
+    unavailable: see :func:`available`)."""
+    if _SETTING is not None:
+        return _SETTING
+    env = os.environ.get("DYNAMIQ_CPU_KERNELS", "1").strip().lower()
+    return env not in ("0", "false", "no", "off")
+
+
+# -- build and load ---------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_LIB: ctypes.CDLL | None = None
+_FAILURE: str | None = None  # why the library is unavailable (set once; not retried)
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("DYNAMIQ_CACHE")
+    base = Path(env).expanduser() if env else Path.home() / ".cache" / "dynamiq"
+    return base / "cpu-kernels"
+
+
+def _compiler() -> str | None:
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx) or cxx
+    for name in ("g++", "c++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and feature flags (Linux: the first
+    processor's entry of /proc/cpuinfo)."""
+    parts = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break  # end of the first processor's entry
+                key = line.split(":", 1)[0].strip()
+                if key in ("vendor_id", "model name", "flags", "Features", "CPU part"):
+                    parts.append(line.strip())
+    except OSError:
+        pass
+    return "\n".join(parts)
+
+
+def library_path(compiler: str | None = None) -> Path:
+    """Where the library built for this source, compiler and CPU is cached."""
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    for part in (*FLAGS, *_LINK, "-march=native", str(compiler or _compiler()), _cpu_identity()):
+        h.update(b"\0" + part.encode())
+    return _cache_dir() / f"dynamiq_cpu_kernels-v{_ABI_VERSION}-{h.hexdigest()[:16]}.so"
+
+
+def _build(cxx: str, dest: Path) -> None:
+    """Compile the library to ``dest`` (atomically: a temporary file renamed into place)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    # -march=native where the compiler knows it; a portable build otherwise
+    for arch in (("-march=native",), ()):
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest.parent)
+        os.close(fd)
+        cmd = [cxx, *FLAGS, *arch, "-o", tmp, str(SOURCE), *_LINK]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+            if proc.returncode == 0:
+                os.replace(tmp, dest)
+                return
+            errors.append(f"{' '.join(cmd)}: {proc.stderr.strip()[-2000:]}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError("; ".join(errors))
+
+
+def _load() -> ctypes.CDLL:
+    """The loaded library (built on first use); raises ``RuntimeError`` saying why not."""
+    global _LIB, _FAILURE
+    if _LIB is not None:
+        return _LIB
+    with _LOCK:
+        if _LIB is not None:
+            return _LIB
+        if _FAILURE is None:
+            try:
+                _LIB = _open()
+            except Exception as exc:  # no compiler, build error, unloadable library
+                _FAILURE = str(exc) or type(exc).__name__
+                warnings.warn(
+                    f"dynamiq: the native CPU kernels are unavailable ({_FAILURE}); the INT "
+                    "and MX codecs run on their PyTorch reference on the CPU (slower, same "
+                    "results). Set DYNAMIQ_CPU_KERNELS=0 to skip them.",
+                    CPUKernelsUnavailableWarning,
+                    stacklevel=2,
+                )
+        if _LIB is None:
+            raise RuntimeError(f"the native CPU kernels are unavailable: {_FAILURE}")
+        return _LIB
+
+
+def _open() -> ctypes.CDLL:
+    if sys.byteorder != "little":
+        raise RuntimeError("they assume a little-endian machine (the wire format's byte order)")
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
+    path = library_path(cxx)
+    if not path.exists():
+        _build(cxx, path)
+    lib = ctypes.CDLL(str(path))
+    lib.dq_abi_version.restype = ctypes.c_int
+    if lib.dq_abi_version() != _ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI version {lib.dq_abi_version()}, not {_ABI_VERSION}")
+    lib.dq_int_run.argtypes = [ctypes.POINTER(_IntArgs)]
+    lib.dq_int_run.restype = ctypes.c_int
+    lib.dq_mx_run.argtypes = [ctypes.POINTER(_MXArgs)]
+    lib.dq_mx_run.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the native CPU kernels can run here (builds them on the first call; a failure
+    warns once and is not retried in this process)."""
+    try:
+        _load()
+    except RuntimeError:
+        return False
+    return True
+
+
+# -- which codecs -----------------------------------------------------------------------------
+
+
+def _family(codec: Codec) -> str | None:
+    """``"int"`` or ``"mx"`` for the built-in classes (exactly: a subclass may change what
+    its reference computes), else ``None``."""
+    from dynamiq.codecs import intq, mx
+
+    cls = type(codec)
+    if cls is intq.IntCodec:
+        return "int"
+    if cls in (mx.MXFP8E4M3, mx.MXFP8E5M2, mx.MXFP6E3M2, mx.MXFP6E2M3, mx.MXFP4, mx.MXINT8):
+        return "mx"
+    return None
+
+
+def kernel(codec: Codec, op: str, *, required: bool = False) -> Callable[..., Any] | None:
+    """The native implementation of ``op`` for ``codec``, with the dispatcher's signature, or
+    ``None`` when there is none or the library is unavailable (``required``: raise instead)."""
+    fn = _FUNCS[op] if _family(codec) is not None else None
+    if fn is None:
+        if required:
+            raise NotImplementedError(
+                f"codec {codec.codec_id!r} ({type(codec).__qualname__}) has no native CPU "
+                f"kernel for {op} (only the built-in INT and MX codecs have); use "
+                "backend='reference'"
+            )
+        return None
+    if required:
+        _load()
+    elif not available():
+        return None
+    return fn
+
+
+# -- launchers ----------------------------------------------------------------------------------
+
+
+def _threads(n: int) -> int:
+    return max(1, min(torch.get_num_threads(), -(-n // _PER_THREAD)))
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise ValueError(f"the native CPU kernels take CPU tensors (got {t.device})")
+
+
+def _run(codec: Codec, op: str, n: int, **ptrs: Any) -> None:
+    lib = _load()
+    family = _family(codec)
+    if family == "int":
+        from dynamiq.codecs.intq import IntCodec
+
+        assert isinstance(codec, IntCodec)
+        ctx: HopContext = ptrs.pop("ctx")
+        from dynamiq.codecs.hashing import hash_keys
+
+        key0, key1 = hash_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank)
+        args = _IntArgs(
+            op=_OP[op],
+            n=n,
+            block_size=codec.block_size,
+            bits=codec.bits,
+            fmt=_SCALE_FMT[codec.scale_format],
+            stochastic=int(codec.rounding == "stochastic"),
+            key0=key0,
+            key1=key1,
+            offset=ctx.offset,
+            max_in_bits=_f32_bits(codec.max_input_abs),
+            nthreads=_threads(n),
+            **ptrs,
+        )
+        status = lib.dq_int_run(ctypes.byref(args))
+        _check_status(status)
+        if args.worst:
+            worst = struct.unpack("<f", struct.pack("<I", args.worst))[0]
+            raise ValueError(
+                f"int codec: a block absmax of {worst!r} "
+                f"exceeds max_input_abs={codec.max_input_abs!r}: its scale is beyond "
+                f"scale_format={codec.scale_format!r}; use a wider scale_format ('fp32')"
+            )
+    else:
+        params = _mx_format(codec.element)  # type: ignore[attr-defined]
+        margs = _MXArgs(
+            op=_OP[op],
+            n=n,
+            nthreads=_threads(n),
+            **params,
+            **{k: v for k, v in ptrs.items() if k != "ctx"},
+        )
+        _check_status(lib.dq_mx_run(ctypes.byref(margs)))
+    record_launch(f"cpu_{family}_{op}")
+
+
+@functools.cache
+def _mx_format(fmt: ElementFormat) -> dict[str, int]:
+    """The element format as the kernel takes it: its integer parameters."""
+    return {
+        "specials": _SPECIALS[fmt.specials],
+        "nmant": fmt.nmant,
+        "bias": fmt.bias,
+        "bits": fmt.bits,
+        "max_code": fmt.max_code,
+        "nan_code": fmt.nan_code or 0,
+        "inf_code": fmt.inf_code or 0,
+        "emax": fmt.emax,
+    }
+
+
+def _f32_bits(x: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", x))[0])
+
+
+def _check_status(status: int) -> None:
+    if status != 0:
+        raise MemoryError("the native CPU kernel could not allocate its buffers or threads")
+
+
+def encode(codec: Codec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+    """``codec.encode(x, ctx)`` by the native CPU kernel."""
+    _check_device(x)
+    n = x.numel()
+    out = torch.empty(codec.encoded_nbytes(n) or 0, dtype=torch.uint8)
+    if n:
+        _run(
+            codec, "encode", n, ctx=ctx, in_kind=_KIND[x.dtype], x=x.data_ptr(),
+            out=out.data_ptr(),
+        )  # fmt: skip
+    return out
+
+
+def decode(codec: Codec, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
+    """``codec.decode(payload, numel, ctx)`` by the native CPU kernel."""
+    _check_device(payload)
+    out = torch.empty(numel, dtype=torch.float32)
+    if numel:
+        _run(codec, "decode", numel, ctx=ctx, inp=payload.data_ptr(), out_values=out.data_ptr())
+    return out
+
+
+def reduce(
+    codec: Codec,
+    payload: torch.Tensor,
+    local: torch.Tensor,
+    ctx: HopContext,
+    out_ctx: HopContext,
+) -> torch.Tensor:
+    """``codec.reduce(payload, local, ctx, out_ctx)`` by the native CPU kernel: one pass over
+    memory, no fp32 tensor in memory."""
+    _check_device(payload, local)
+    n = local.numel()
+    out = torch.empty_like(payload)
+    if n:
+        _run(
+            codec, "reduce", n, ctx=out_ctx, in_kind=_KIND[local.dtype], x=local.data_ptr(),
+            inp=payload.data_ptr(), out=out.data_ptr(),
+        )  # fmt: skip
+    return out
+
+
+# the dispatcher reads this (last_backend(), and no Triton set-up around the call)
+encode.dynamiq_backend = "cpu"  # type: ignore[attr-defined]
+decode.dynamiq_backend = "cpu"  # type: ignore[attr-defined]
+reduce.dynamiq_backend = "cpu"  # type: ignore[attr-defined]
+_FUNCS: dict[str, Callable[..., Any]] = {"encode": encode, "decode": decode, "reduce": reduce}

@@ -1,0 +1,783 @@
+// The CPU fast path of the INT and MX codecs: encode, decode and the fused reduce (decompress
+// the incoming payload, add the local slice in fp32, recompute block statistics, round, pack).
+//
+// Bit-exact with the PyTorch references in dynamiq/codecs/intq.py and dynamiq/codecs/mx.py
+// (tests/kernels/test_cpu_fast_path_native.py):
+//   * every float operation the reference does in fp32 is done here in fp32, in the same order
+//     (code * scale, then + local; x / S), compiled with -ffp-contract=off (no FMA) and without
+//     -ffast-math (IEEE division, subnormals kept);
+//   * rounding to nearest-even is rintf under the default rounding mode (torch.round);
+//   * block maxima are integer maxima of the magnitude bits (NaN > Inf > finite, never dropped);
+//   * INT scales are computed exactly in integer arithmetic, as the Triton kernel does
+//     (dynamiq/kernels/intq.py, _int_scale); MX elements are rounded from an exact fp32
+//     scaling (mx_encode_element says why that is exact); bit packing and the counter hash of
+//     stochastic rounding are integer operations.
+//
+// Built once per machine by dynamiq/kernels/cpu_native.py (g++ -O3 -march=native, cached on
+// disk) and called through ctypes; no Python or torch headers. Work is split into tiles of
+// whole blocks whose codes fill whole bytes, so threads write disjoint bytes and the result
+// does not depend on the number of threads.
+//
+// Bytes moved per value (fused reduce, int8 or mxfp8, blocks of 32): payload in 1 + 2/32
+// (MX: 1/32), local 4 (fp32) or 2 (bf16/fp16), payload out 1 + 2/32 (MX: 1/32).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// -- fp32 bit patterns ----------------------------------------------------------------------
+
+// (the loops below are written so that GCC vectorizes them: no branches, 32-bit lanes)
+
+inline uint32_t f2u(float x) { return __builtin_bit_cast(uint32_t, x); }
+
+inline float u2f(uint32_t u) { return __builtin_bit_cast(float, u); }
+
+// floor(log2(m)) for 1 <= m < 2^24 (exact int -> float conversion); 0 for m = 0
+inline int32_t floor_log2_small(uint32_t m) {
+  return (int32_t)(f2u((float)(int32_t)(m | 1u)) >> 23) - 127;
+}
+
+// formats.exponent_of of fp32 magnitude bits a: floor(log2), 0 -> -150, NaN/Inf -> 128
+inline int32_t exponent_of(uint32_t a) {
+  int32_t e = (int32_t)(a >> 23);
+  int32_t sub = floor_log2_small(a & 0x7FFFFFu) - 149;
+  int32_t out = e > 0 ? e - 127 : sub;
+  return a == 0 ? -150 : out;
+}
+
+// fp16 bits -> fp32 bits, exact (NaN keeps sign and payload)
+inline uint32_t f16_to_f32_bits(uint32_t h) {
+  uint32_t sign = (h >> 15) << 31;
+  uint32_t e = (h >> 10) & 0x1F;
+  uint32_t m = h & 0x3FF;
+  uint32_t normal = ((e + 112) << 23) | (m << 13);
+  uint32_t sub = f2u((float)(int32_t)m) - (24u << 23);  // m * 2^-24, m < 2^10
+  uint32_t special = 0x7F800000u | (m << 13);
+  uint32_t mag = e == 0x1F ? special : (e > 0 ? normal : (m > 0 ? sub : 0));
+  return sign | mag;
+}
+
+// -- value buffers (KIND: 0 fp32, 1 bf16, 2 fp16) -> fp32 -----------------------------------
+
+template <int KIND>
+void load_values(const void* src, int64_t start, int64_t cnt, float* __restrict dst) {
+  if (KIND == 0) {
+    std::memcpy(dst, (const float*)src + start, (size_t)cnt * 4);
+  } else if (KIND == 1) {
+    const uint16_t* s = (const uint16_t*)src + start;
+    for (int64_t i = 0; i < cnt; i++) dst[i] = u2f((uint32_t)s[i] << 16);
+  } else {
+    const uint16_t* s = (const uint16_t*)src + start;
+    for (int64_t i = 0; i < cnt; i++) dst[i] = u2f(f16_to_f32_bits(s[i]));
+  }
+}
+
+void load_values_any(int kind, const void* src, int64_t start, int64_t cnt, float* dst) {
+  if (kind == 0) load_values<0>(src, start, cnt, dst);
+  else if (kind == 1) load_values<1>(src, start, cnt, dst);
+  else load_values<2>(src, start, cnt, dst);
+}
+
+// -- dense LSB-first bit packing (dynamiq/codecs/packing.py) ----------------------------------
+// Group g of 8 consecutive codes occupies bytes [g * BITS, (g + 1) * BITS) of the stream.
+
+// codes of groups [g0, g0 + ng) of a stream of nbytes bytes -> out[0 .. 8 * ng)
+template <int BITS>
+void unpack(const uint8_t* __restrict stream, int64_t nbytes, int64_t g0, int64_t ng,
+            uint8_t* __restrict out) {
+  if constexpr (BITS == 8) {
+    int64_t avail = std::min<int64_t>(8 * ng, nbytes - 8 * g0);
+    std::memcpy(out, stream + 8 * g0, (size_t)avail);
+    std::memset(out + avail, 0, (size_t)(8 * ng - avail));
+    return;
+  }
+  constexpr uint32_t MASK = (1u << BITS) - 1;
+  const int64_t b0 = g0 * BITS;  // the groups' bytes [b0, b0 + ng * BITS), those < nbytes
+  const int64_t avail = std::max<int64_t>(0, std::min<int64_t>(ng * BITS, nbytes - b0));
+  if constexpr (BITS == 2 || BITS == 4) {  // whole codes per byte
+    constexpr int PER = 8 / BITS;
+    for (int64_t k = 0; k < avail; k++) {
+      const uint32_t byte = stream[b0 + k];
+      for (int j = 0; j < PER; j++) out[k * PER + j] = (uint8_t)((byte >> (j * BITS)) & MASK);
+    }
+    std::memset(out + avail * PER, 0, (size_t)((ng * BITS - avail) * PER));
+    return;
+  }
+  if constexpr (BITS == 6) {  // four codes per three bytes
+    const int64_t full = avail / 3;
+    for (int64_t k = 0; k < full; k++) {
+      const uint32_t w = (uint32_t)stream[b0 + 3 * k] | (uint32_t)stream[b0 + 3 * k + 1] << 8 |
+                         (uint32_t)stream[b0 + 3 * k + 2] << 16;
+      for (int j = 0; j < 4; j++) out[4 * k + j] = (uint8_t)((w >> (6 * j)) & MASK);
+    }
+    int64_t done = 4 * full;
+    if (3 * full < avail) {  // a last, partial triplet
+      uint32_t w = 0;
+      for (int64_t i = 3 * full; i < avail; i++) w |= (uint32_t)stream[b0 + i] << (8 * (i % 3));
+      for (int j = 0; j < 4; j++) out[done + j] = (uint8_t)((w >> (6 * j)) & MASK);
+      done += 4;
+    }
+    std::memset(out + done, 0, (size_t)(8 * ng - done));
+    return;
+  }
+  for (int64_t g = 0; g < ng; g++) {
+    int64_t off = (g0 + g) * BITS;
+    uint64_t w = 0;
+    if (off + 8 <= nbytes) {
+      std::memcpy(&w, stream + off, 8);  // reads a few bytes beyond the group: masked below
+    } else {
+      int64_t avail = std::min<int64_t>(BITS, nbytes - off);
+      if (avail > 0) std::memcpy(&w, stream + off, (size_t)avail);
+    }
+    w &= BITS < 8 ? (uint64_t(1) << (8 * (BITS % 8))) - 1 : ~uint64_t(0);
+    for (int j = 0; j < 8; j++) out[8 * g + j] = (uint8_t)((w >> (j * BITS)) & MASK);
+  }
+}
+
+// the low BITS bits of codes[0 .. 8 * ng) -> groups [g0, g0 + ng), bytes below nbytes only
+template <int BITS>
+void pack(const uint8_t* __restrict codes, int64_t g0, int64_t ng, uint8_t* __restrict stream,
+          int64_t nbytes) {
+  if constexpr (BITS == 8) {
+    int64_t avail = std::min<int64_t>(8 * ng, nbytes - 8 * g0);
+    std::memcpy(stream + 8 * g0, codes, (size_t)avail);
+    return;
+  }
+  constexpr uint32_t MASK = (1u << BITS) - 1;
+  const int64_t b0 = g0 * BITS;  // the groups' bytes [b0, b0 + ng * BITS), those < nbytes
+  const int64_t avail = std::min<int64_t>(ng * BITS, nbytes - b0);
+  if constexpr (BITS == 2 || BITS == 4) {  // whole codes per byte
+    constexpr int PER = 8 / BITS;
+    for (int64_t k = 0; k < avail; k++) {
+      uint32_t byte = 0;
+      for (int j = 0; j < PER; j++) byte |= ((uint32_t)codes[k * PER + j] & MASK) << (j * BITS);
+      stream[b0 + k] = (uint8_t)byte;
+    }
+    return;
+  }
+  if constexpr (BITS == 6) {  // four codes per three bytes
+    const int64_t full = avail / 3;
+    for (int64_t k = 0; k < full; k++) {
+      uint32_t w = 0;
+      for (int j = 0; j < 4; j++) w |= ((uint32_t)codes[4 * k + j] & MASK) << (6 * j);
+      stream[b0 + 3 * k] = (uint8_t)w;
+      stream[b0 + 3 * k + 1] = (uint8_t)(w >> 8);
+      stream[b0 + 3 * k + 2] = (uint8_t)(w >> 16);
+    }
+    if (3 * full < avail) {  // a last, partial triplet
+      uint32_t w = 0;
+      for (int j = 0; j < 4; j++) w |= ((uint32_t)codes[4 * full + j] & MASK) << (6 * j);
+      for (int64_t i = 3 * full; i < avail; i++) stream[b0 + i] = (uint8_t)(w >> (8 * (i % 3)));
+    }
+    return;
+  }
+  for (int64_t g = 0; g < ng; g++) {
+    uint64_t w = 0;
+    for (int j = 0; j < 8; j++) w |= ((uint64_t)codes[8 * g + j] & MASK) << (j * BITS);
+    int64_t off = (g0 + g) * BITS;
+    int64_t avail = std::min<int64_t>(BITS, nbytes - off);
+    if (avail == BITS) std::memcpy(stream + off, &w, BITS);
+    else if (avail > 0) std::memcpy(stream + off, &w, (size_t)avail);
+  }
+}
+
+void unpack_any(int bits, const uint8_t* s, int64_t nbytes, int64_t g0, int64_t ng, uint8_t* o) {
+  switch (bits) {
+    case 2: unpack<2>(s, nbytes, g0, ng, o); break;
+    case 3: unpack<3>(s, nbytes, g0, ng, o); break;
+    case 4: unpack<4>(s, nbytes, g0, ng, o); break;
+    case 5: unpack<5>(s, nbytes, g0, ng, o); break;
+    case 6: unpack<6>(s, nbytes, g0, ng, o); break;
+    case 7: unpack<7>(s, nbytes, g0, ng, o); break;
+    default: unpack<8>(s, nbytes, g0, ng, o); break;
+  }
+}
+
+void pack_any(int bits, const uint8_t* c, int64_t g0, int64_t ng, uint8_t* s, int64_t nbytes) {
+  switch (bits) {
+    case 2: pack<2>(c, g0, ng, s, nbytes); break;
+    case 3: pack<3>(c, g0, ng, s, nbytes); break;
+    case 4: pack<4>(c, g0, ng, s, nbytes); break;
+    case 5: pack<5>(c, g0, ng, s, nbytes); break;
+    case 6: pack<6>(c, g0, ng, s, nbytes); break;
+    case 7: pack<7>(c, g0, ng, s, nbytes); break;
+    default: pack<8>(c, g0, ng, s, nbytes); break;
+  }
+}
+
+// -- threads --------------------------------------------------------------------------------
+
+// fn(tile0, tile1, thread) over [0, ntiles) split into nthreads contiguous ranges
+template <class F>
+bool parallel_tiles(int64_t ntiles, int nthreads, F fn) {
+  nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, ntiles));
+  if (nthreads == 1) return fn(0, ntiles, 0);
+  std::vector<char> ok(nthreads, 0);
+  std::vector<std::thread> pool;
+  int64_t per = (ntiles + nthreads - 1) / nthreads;
+  try {
+    for (int t = 1; t < nthreads; t++) {
+      int64_t a = std::min<int64_t>(ntiles, t * per), b = std::min<int64_t>(ntiles, a + per);
+      pool.emplace_back([&ok, &fn, a, b, t]() { ok[t] = fn(a, b, t) ? 1 : 0; });
+    }
+  } catch (...) {
+    for (auto& th : pool) th.join();
+    return false;
+  }
+  ok[0] = fn(0, std::min<int64_t>(ntiles, per), 0) ? 1 : 0;
+  for (auto& th : pool) th.join();
+  for (char c : ok)
+    if (!c) return false;
+  return true;
+}
+
+// -- the counter hash (dynamiq/codecs/hashing.py) -------------------------------------------
+
+inline uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+
+// -- INT codec (dynamiq/codecs/intq.py) -----------------------------------------------------
+
+struct IntScale {
+  float s;          // the scale as fp32 (NaN for a non-finite block)
+  uint32_t stored;  // its bits in the scale format
+  bool over;        // absmax > max_input_abs
+};
+
+// scale formats: 0 bf16, 1 fp16, 2 fp32, 3 e8m0; P significant bits, smallest value 2^GMIN
+const int FMT_P[4] = {8, 11, 24, 1};
+const int FMT_GMIN[4] = {-133, -24, -149, -127};
+const int FMT_BYTES[4] = {2, 2, 4, 1};
+const uint32_t FMT_NAN[4] = {0x7FC0u, 0x7E00u, 0x7FC00000u, 0xFFu};
+
+// The smallest value S of the scale format with S * qmax >= absmax (absmax bits a), computed
+// exactly in integer arithmetic (dynamiq/kernels/intq.py, _int_scale).
+IntScale int_scale(uint32_t a, int64_t qmax, int kq, int fmt, uint32_t max_in_bits) {
+  if (a >= 0x7F800000u) return {u2f(0x7FC00000u), FMT_NAN[fmt], false};
+  if (a == 0) return {fmt == 3 ? u2f(1u << 22) : 0.0f, 0u, false};
+  const int P = FMT_P[fmt], GMIN = FMT_GMIN[fmt];
+  // absmax = m24 * 2^e2 exactly
+  int32_t ef = (int32_t)(a >> 23);
+  int64_t m24 = ef > 0 ? (int64_t)((a & 0x7FFFFFu) | 0x800000u) : (int64_t)(a & 0x7FFFFFu);
+  int32_t e2 = std::max(ef, 1) - 150;
+  int32_t eM = 63 - __builtin_clzll((uint64_t)m24);
+  // fl = floor(log2(absmax / qmax)), compared exactly
+  int32_t fl = eM + e2 - kq - ((m24 << kq) < (qmax << eM) ? 1 : 0);
+  // spacing 2^ge of the format at absmax / qmax; S = ceil(r / 2^ge) * 2^ge = nn * 2^ge
+  int32_t ge = std::max(fl - (P - 1), GMIN);
+  int32_t sh = e2 - ge;
+  int64_t num = m24 << std::max(sh, 0);
+  int64_t den = qmax << std::min(std::max(-sh, 0), 40);
+  int64_t nn = (num + den - 1) / den;
+  int32_t ln = 63 - __builtin_clzll((uint64_t)nn);
+  int32_t ed = ge + ln;
+  uint32_t man23 = (uint32_t)(((nn << 23) >> ln) & 0x7FFFFF);
+  uint32_t sub32 = (uint32_t)(nn << std::min(std::max(ge + 149, 0), 31));
+  uint32_t f32 = ed >= -126 ? ((uint32_t)(ed + 127) << 23) | man23 : sub32;
+  uint32_t stored;
+  if (fmt == 0) {
+    stored = f32 >> 16;
+  } else if (fmt == 1) {
+    uint32_t man10 = (uint32_t)(((nn << 10) >> ln) & 0x3FF);
+    uint32_t sub16 = (uint32_t)(nn << std::min(std::max(ge + 24, 0), 31));
+    stored = ed >= -14 ? ((uint32_t)(ed + 15) << 10) | man10 : sub16;
+  } else if (fmt == 2) {
+    stored = f32;
+  } else {
+    stored = (uint32_t)(ed + 127);
+  }
+  return {u2f(f32), stored, a > max_in_bits};
+}
+
+inline float int_load_scale(const uint8_t* scales, int64_t blk, int fmt) {
+  if (fmt == 0) {
+    uint16_t r;
+    std::memcpy(&r, scales + 2 * blk, 2);
+    return u2f((uint32_t)r << 16);
+  }
+  if (fmt == 1) {
+    uint16_t r;
+    std::memcpy(&r, scales + 2 * blk, 2);
+    return u2f(f16_to_f32_bits(r));
+  }
+  if (fmt == 2) {
+    uint32_t r;
+    std::memcpy(&r, scales + 4 * blk, 4);
+    return u2f(r);
+  }
+  uint32_t r = scales[blk];
+  return r == 0xFF ? u2f(0x7FC00000u) : u2f(r == 0 ? 1u << 22 : r << 23);
+}
+
+inline void int_store_scale(uint8_t* scales, int64_t blk, int fmt, uint32_t stored) {
+  if (fmt == 3) {
+    scales[blk] = (uint8_t)stored;
+  } else if (fmt == 2) {
+    std::memcpy(scales + 4 * blk, &stored, 4);
+  } else {
+    uint16_t r = (uint16_t)stored;
+    std::memcpy(scales + 2 * blk, &r, 2);
+  }
+}
+
+// The per-block loops take the block length as a template parameter BS: a compile-time 32
+// (full blocks of the default size: straight-line vector code, no loop overhead), or 0 for
+// the run-time length len_.
+
+// v[i] = sext(code[i]) * s + v[i]   (the reference: code.float() * scale, then + local);
+// returns the integer max of the magnitude bits of the new v (computed in the same loop: a
+// second loop would reload what this one just stored)
+template <int BS>
+inline uint32_t int_decode_add(const uint8_t* __restrict c, int64_t len_, int bits, float s,
+                               float* __restrict v) {
+  const int64_t len = BS > 0 ? BS : len_;
+  const int sh = 8 - bits;
+  uint32_t m = 0;
+  for (int64_t i = 0; i < len; i++) {
+    int32_t code = (int32_t)(int8_t)(uint8_t)(c[i] << sh) >> sh;
+    float p = (float)code * s;
+    float x = p + v[i];
+    v[i] = x;
+    m = std::max(m, f2u(x) & 0x7FFFFFFFu);
+  }
+  return m;
+}
+
+// integer max of |v| bits over a block (NaN > Inf > finite)
+template <int BS>
+inline uint32_t block_absmax_bits(const float* __restrict v, int64_t len_) {
+  const int64_t len = BS > 0 ? BS : len_;
+  uint32_t m = 0;
+  for (int64_t i = 0; i < len; i++) m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
+  return m;
+}
+
+// codes of v / S rounded to nearest, ties to even (torch.round), S finite and > 0
+template <int BS>
+inline void int_quantize_nearest(const float* __restrict v, int64_t len_, float S,
+                                 uint8_t* __restrict c) {
+  const int64_t len = BS > 0 ? BS : len_;
+  for (int64_t i = 0; i < len; i++) {
+    float q = v[i] / S;
+    c[i] = (uint8_t)(int32_t)rintf(q);
+  }
+}
+
+// floor(q) + [u < q - floor(q)], u from the counter hash of the global index
+template <int BS>
+inline void int_quantize_stochastic(const float* __restrict v, int64_t len_, float S,
+                                    uint64_t idx0, uint32_t key0, uint32_t key1,
+                                    uint8_t* __restrict c) {
+  const int64_t len = BS > 0 ? BS : len_;
+  // global index idx0 + i as 32-bit halves (len < 2^32: the high half carries at most once)
+  const uint32_t lo0 = (uint32_t)idx0, hi0 = (uint32_t)(idx0 >> 32);
+  for (int64_t i = 0; i < len; i++) {
+    uint32_t lo = lo0 + (uint32_t)i;
+    uint32_t hi = hi0 + (lo < lo0 ? 1u : 0u);
+    uint32_t h = fmix32(lo * 0x9E3779B1u + key0);
+    h = fmix32(h ^ hi ^ key1);
+    float u = (float)(int32_t)((h >> 9) * 2 + 1) * 5.9604644775390625e-08f;  // 2^-24
+    float q = v[i] / S;
+    float fl = floorf(q);
+    float code = fl + (u < q - fl ? 1.0f : 0.0f);
+    c[i] = (uint8_t)(int32_t)code;
+  }
+}
+
+// what every block of one dq_int_run call shares
+struct IntJob {
+  int op, bits, fmt, stochastic, kq;
+  int64_t qmax, bs;
+  uint32_t max_in_bits, key0, key1;
+  uint64_t offset;
+  const uint8_t* in_scales;
+  uint8_t* out_scales;
+};
+
+// decode: out[i] = sext(code[i]) * scale
+template <int BS>
+inline void int_decode_block(const IntJob& j, int64_t b, int64_t len_,
+                             const uint8_t* __restrict c, float* __restrict o) {
+  const int64_t len = BS > 0 ? BS : len_;
+  const int sh = 8 - j.bits;
+  const float s = int_load_scale(j.in_scales, b, j.fmt);
+  for (int64_t i = 0; i < len; i++) {
+    int32_t code = (int32_t)(int8_t)(uint8_t)(c[i] << sh) >> sh;
+    o[i] = (float)code * s;
+  }
+}
+
+// Encoding a chunk of blocks takes three passes over it (in L1), so that the latency of one
+// block's scale overlaps the work of the others: (1) the values (reduce: the decoded incoming
+// codes c plus the local values v) and their absmax, (2) the scales, (3) the codes.
+
+// pass 1 for block b: its values in v and the integer max of their magnitude bits
+template <int BS>
+inline uint32_t int_values_block(const IntJob& j, int64_t b, int64_t len, float* __restrict v,
+                                 const uint8_t* __restrict c) {
+  if (j.op != 1) return block_absmax_bits<BS>(v, len);
+  return int_decode_add<BS>(c, len, j.bits, int_load_scale(j.in_scales, b, j.fmt), v);
+}
+
+// pass 3 for block b: its codes with scale S
+template <int BS>
+inline void int_codes_block(const IntJob& j, int64_t b, int64_t len, const float* __restrict v,
+                            float S, uint8_t* __restrict c) {
+  if (!(S > 0.0f)) {  // zero or NaN scale: codes 0
+    std::memset(c, 0, (size_t)(BS > 0 ? BS : len));
+  } else if (j.stochastic) {
+    int_quantize_stochastic<BS>(v, len, S, j.offset + (uint64_t)(b * j.bs), j.key0, j.key1, c);
+  } else {
+    int_quantize_nearest<BS>(v, len, S, c);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Arguments of dq_int_run (mirrored by a ctypes.Structure in cpu_native.py).
+struct dq_int_args {
+  int32_t op;             // 0 encode, 1 reduce (fused), 2 decode
+  int32_t in_kind;        // values / local slice: 0 fp32, 1 bf16, 2 fp16
+  const void* x;          // values (encode) or the local slice (reduce)
+  const uint8_t* in;      // incoming payload (reduce, decode)
+  uint8_t* out;           // outgoing payload (encode, reduce)
+  float* out_values;      // decoded values (decode)
+  int64_t n;              // number of values
+  int64_t block_size;
+  int32_t bits;           // 2..8
+  int32_t fmt;            // scale format: 0 bf16, 1 fp16, 2 fp32, 3 e8m0
+  int32_t stochastic;     // 0 nearest, 1 stochastic
+  uint32_t key0, key1;    // hash keys (stochastic)
+  uint64_t offset;        // global index of value 0 (stochastic)
+  uint32_t max_in_bits;   // fp32 bits of max_input_abs
+  int32_t nthreads;
+  uint32_t worst;         // out: largest finite absmax bits above max_in_bits (0: none)
+};
+
+// 0: done; 1: out of memory / thread failure.
+int dq_int_run(dq_int_args* a) {
+  const int64_t n = a->n, bs = a->block_size;
+  if (n <= 0) return 0;
+  const int bits = a->bits, fmt = a->fmt, sb = FMT_BYTES[fmt];
+  const int64_t nblocks = (n + bs - 1) / bs;
+  const int64_t nbytes = (n * bits + 7) / 8;
+  const int64_t qmax = ((int64_t)1 << (bits - 1)) - 1;
+  const int kq = 63 - __builtin_clzll((uint64_t)qmax);
+  // a tile holds L whole blocks whose codes fill whole bytes; a chunk is a few tiles
+  int64_t g8 = bs % 8 == 0 ? 8 : (bs % 4 == 0 ? 4 : (bs % 2 == 0 ? 2 : 1));
+  const int64_t L = 8 / g8, T = L * bs;
+  const int64_t ntiles = (nblocks + L - 1) / L;
+  const int64_t per_chunk = std::max<int64_t>(1, 4096 / T);
+  const uint8_t* in_scales = a->in;
+  const uint8_t* in_stream = a->in ? a->in + nblocks * sb : nullptr;
+  uint8_t* out_scales = a->out;
+  uint8_t* out_stream = a->out ? a->out + nblocks * sb : nullptr;
+  std::vector<uint32_t> worst(std::max(1, (int)a->nthreads), 0);
+  const IntJob job{a->op,         bits,        fmt,     a->stochastic, kq,
+                   qmax,          bs,          a->max_in_bits,         a->key0,
+                   a->key1,       a->offset,   in_scales,              out_scales};
+
+  auto work = [&](int64_t t0, int64_t t1, int th) -> bool {
+    std::vector<float> vals, scale;
+    std::vector<uint8_t> codes;
+    std::vector<uint32_t> amax;
+    try {
+      vals.resize((size_t)(per_chunk * T));
+      codes.resize((size_t)(per_chunk * T + 8));
+      amax.resize((size_t)(per_chunk * L));
+      scale.resize((size_t)(per_chunk * L));
+    } catch (...) {
+      return false;
+    }
+    for (int64_t tc = t0; tc < t1; tc += per_chunk) {
+      const int64_t e0 = tc * T, e1 = std::min(n, std::min(t1, tc + per_chunk) * T);
+      const int64_t cnt = e1 - e0, ng = (cnt + 7) / 8, b0 = e0 / bs, b1 = (e1 + bs - 1) / bs;
+      if (a->op == 2) {  // decode: sext(code) * scale
+        unpack_any(bits, in_stream, nbytes, e0 / 8, ng, codes.data());
+        for (int64_t b = b0; b < b1; b++) {
+          const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
+          const uint8_t* c = codes.data() + s0;
+          if (len == 32) int_decode_block<32>(job, b, len, c, a->out_values + b * bs);
+          else int_decode_block<0>(job, b, len, c, a->out_values + b * bs);
+        }
+        continue;
+      }
+      load_values_any(a->in_kind, a->x, e0, cnt, vals.data());
+      if (a->op == 1) unpack_any(bits, in_stream, nbytes, e0 / 8, ng, codes.data());
+      for (int64_t b = b0; b < b1; b++) {  // pass 1: values and block maxima
+        const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
+        float* v = vals.data() + s0;
+        const uint8_t* c = codes.data() + s0;
+        amax[b - b0] = len == 32 ? int_values_block<32>(job, b, len, v, c)
+                                 : int_values_block<0>(job, b, len, v, c);
+      }
+      for (int64_t b = b0; b < b1; b++) {  // pass 2: scales
+        const uint32_t m = amax[b - b0];
+        const IntScale sc = int_scale(m, qmax, kq, fmt, a->max_in_bits);
+        if (sc.over) worst[th] = std::max(worst[th], m);
+        int_store_scale(out_scales, b, fmt, sc.stored);
+        scale[b - b0] = sc.s;
+      }
+      for (int64_t b = b0; b < b1; b++) {  // pass 3: codes
+        const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
+        const float* v = vals.data() + s0;
+        uint8_t* c = codes.data() + s0;
+        if (len == 32) int_codes_block<32>(job, b, len, v, scale[b - b0], c);
+        else int_codes_block<0>(job, b, len, v, scale[b - b0], c);
+      }
+      std::memset(codes.data() + cnt, 0, (size_t)(8 * ng - cnt));
+      pack_any(bits, codes.data(), e0 / 8, ng, out_stream, nbytes);
+    }
+    return true;
+  };
+  int nt = (int)std::max<int64_t>(1, a->nthreads);
+  if (!parallel_tiles(ntiles, nt, work)) return 1;
+  a->worst = *std::max_element(worst.begin(), worst.end());
+  return 0;
+}
+
+}  // extern "C"
+
+// -- MX codecs (dynamiq/codecs/mx.py, formats.py) -------------------------------------------
+
+namespace {
+
+struct MxFormat {
+  int32_t nmant, bias, bits, max_code, nan_code, inf_code, emax;
+};
+
+enum { SPEC_IEEE = 0, SPEC_FN = 1, SPEC_NONE = 2, SPEC_INT = 3 };
+
+// ElementFormat.decode without a table (vectorizes without gathers): the fp32 value of an
+// element code. Normal codes: the code's exponent and mantissa fields moved into fp32's and
+// rebiased; subnormal codes (exponent field 0): mantissa * 2^(1 - bias - nmant), exact.
+template <int SPEC>
+inline float mx_decode_element(uint32_t code, const MxFormat& f) {
+  if (SPEC == SPEC_INT) {  // two's complement times 2^-nmant (exact)
+    const int32_t q = (int32_t)(int8_t)(uint8_t)code;
+    return (float)q * u2f((uint32_t)(127 - f.nmant) << 23);
+  }
+  const uint32_t magmask = (1u << (f.bits - 1)) - 1;
+  const uint32_t mag = code & magmask;
+  const uint32_t sign = (code >> (f.bits - 1)) << 31;
+  const uint32_t normal = (mag << (23 - f.nmant)) + ((uint32_t)(127 - f.bias) << 23);
+  const float sub = (float)(int32_t)mag * u2f((uint32_t)(128 - f.bias - f.nmant) << 23);
+  uint32_t bits = mag >= (1u << f.nmant) ? normal : f2u(sub);
+  if (SPEC == SPEC_IEEE && (mag >> f.nmant) == (magmask >> f.nmant))  // Inf, NaN
+    bits = (mag & ((1u << f.nmant) - 1)) == 0 ? 0x7F800000u : 0x7FC00000u;
+  if (SPEC == SPEC_FN && mag == magmask) bits = 0x7FC00000u;  // NaN
+  return u2f(bits | sign);
+}
+
+// 2^-shared as fp32 (shared in -127 .. 127; 2^-127 is subnormal)
+inline float mx_inv_scale(int32_t shared) {
+  return shared < 127 ? u2f((uint32_t)(127 - shared) << 23) : u2f(1u << 22);
+}
+
+// ElementFormat.encode(x, shared, saturate=True) of a finite x (NaN/Inf blocks never get
+// here): the code of x * 2^-shared, rounded to nearest-even with subnormals, saturating.
+// y = |x| * 2^-shared (inv) is exact in fp32 wherever the element format can tell values
+// apart: it is rounded only below 2^-126, far under half the smallest element subnormal,
+// where the code is 0 either way. So rounding y rounds x * 2^-shared:
+//   element normals, y >= 2^(1 - bias): round y's fp32 bits at bit 23 - nmant to nearest
+//   even and rebias (a carry out of the mantissa moves into the exponent by itself);
+//   element subnormals: rintf(y * 2^(bias + nmant - 1)) (an exact scaling);
+//   INT elements: rintf(y * 2^nmant).
+// y < 2^(emax + 1) (the OCP shared exponent), so saturating at max_code is the only clamp.
+template <int SPEC>
+inline uint32_t mx_encode_element(float x, float inv, const MxFormat& f) {
+  const uint32_t bits = f2u(x);
+  const float y = u2f(bits & 0x7FFFFFFFu) * inv;
+  int32_t mag;
+  if (SPEC == SPEC_INT) {
+    mag = std::min((int32_t)rintf(y * u2f((uint32_t)(127 + f.nmant) << 23)), f.max_code);
+    const int32_t neg = (int32_t)bits >> 31;  // 0 or -1: two's complement of mag when negative
+    return (uint32_t)((mag ^ neg) - neg) & 0xFFu;
+  }
+  const uint32_t b = f2u(y);
+  const int32_t sh = 23 - f.nmant;
+  const uint32_t rn = (b + ((1u << (sh - 1)) - 1) + ((b >> sh) & 1u)) >> sh;
+  const int32_t mag_normal = (int32_t)rn - ((127 - f.bias) << f.nmant);
+  const int32_t mag_sub = (int32_t)rintf(y * u2f((uint32_t)(127 + f.bias + f.nmant - 1) << 23));
+  mag = b >= ((uint32_t)(128 - f.bias) << 23) ? mag_normal : mag_sub;
+  mag = std::min(mag, f.max_code);  // saturate
+  return (uint32_t)mag | ((bits & 0x80000000u) >> (32 - f.bits));
+}
+
+inline float e8m0_value(uint32_t c) {
+  return c == 0xFF ? u2f(0x7FC00000u) : u2f(c == 0 ? 1u << 22 : c << 23);
+}
+
+template <int BS, int SPEC>
+inline void mx_encode_codes(const float* __restrict v, int64_t len_, int32_t shared,
+                            const MxFormat& f, uint8_t* __restrict c) {
+  const int64_t len = BS > 0 ? BS : len_;
+  const float inv = mx_inv_scale(shared);
+  for (int64_t i = 0; i < len; i++) c[i] = (uint8_t)mx_encode_element<SPEC>(v[i], inv, f);
+}
+
+// what every block of one dq_mx_run call shares
+struct MxJob {
+  int op, specials;
+  MxFormat f;
+  const uint8_t* in_scales;
+  uint8_t* out_scales;
+};
+
+// decode: out[i] = element value * 2^scale
+template <int BS, int SPEC>
+inline void mx_decode_block(const MxJob& j, int64_t b, int64_t len_, const uint8_t* __restrict c,
+                            float* __restrict o) {
+  const int64_t len = BS > 0 ? BS : len_;
+  const float s = e8m0_value(j.in_scales[b]);
+  for (int64_t i = 0; i < len; i++) o[i] = mx_decode_element<SPEC>(c[i], j.f) * s;
+}
+
+template <int SPEC>
+void mx_decode_chunk(const MxJob& j, int64_t n, int64_t b0, int64_t b1, const uint8_t* codes,
+                     float* out) {
+  for (int64_t b = b0; b < b1; b++) {
+    const int64_t s0 = (b - b0) * 32, len = std::min<int64_t>(32, n - b * 32);
+    if (len == 32) mx_decode_block<32, SPEC>(j, b, len, codes + s0, out + b * 32);
+    else mx_decode_block<0, SPEC>(j, b, len, codes + s0, out + b * 32);
+  }
+}
+
+// Encoding takes three passes over a chunk of blocks, as for the INT codecs: (1) the values
+// (reduce: the decoded incoming codes c plus the local values v) and their absmax, (2) the
+// shared exponents (scale bytes), (3) the codes.
+
+// pass 1 for block b: its values in v (reduce: element value * scale, then + local) and the
+// integer max of their magnitude bits (in the same loop)
+template <int BS, int SPEC>
+inline uint32_t mx_values_block(const MxJob& j, int64_t b, int64_t len_, float* __restrict v,
+                                const uint8_t* __restrict c) {
+  const int64_t len = BS > 0 ? BS : len_;
+  if (j.op != 1) return block_absmax_bits<BS>(v, len);
+  const float s = e8m0_value(j.in_scales[b]);
+  uint32_t m = 0;
+  for (int64_t i = 0; i < len; i++) {
+    float p = mx_decode_element<SPEC>(c[i], j.f) * s;
+    float x = p + v[i];
+    v[i] = x;
+    m = std::max(m, f2u(x) & 0x7FFFFFFFu);
+  }
+  return m;
+}
+
+// pass 2: the scale byte of a block with absmax bits amax (OCP: floor rule; NaN/Inf: 0xFF)
+inline uint8_t mx_scale_code(uint32_t amax, int32_t emax) {
+  if (amax >= 0x7F800000u) return 0xFF;
+  return (uint8_t)(std::min(std::max(exponent_of(amax) - emax, -127), 127) + 127);
+}
+
+// pass 3 for a block with scale byte sc: its codes (0 in a NaN/Inf block)
+template <int SPEC>
+inline void mx_codes_block(const MxJob& j, int64_t len, const float* __restrict v, uint8_t sc,
+                           uint8_t* __restrict c) {
+  if (sc == 0xFF) std::memset(c, 0, (size_t)len);
+  else if (len == 32) mx_encode_codes<32, SPEC>(v, len, (int32_t)sc - 127, j.f, c);
+  else mx_encode_codes<0, SPEC>(v, len, (int32_t)sc - 127, j.f, c);
+}
+
+// the three passes over blocks [b0, b1) (at most 128) whose values are in vals
+template <int SPEC>
+void mx_encode_chunk(const MxJob& j, int64_t n, int64_t b0, int64_t b1, float* vals,
+                     uint8_t* codes) {
+  uint32_t amax[128];
+  for (int64_t b = b0; b < b1; b++) {  // pass 1: values and block maxima
+    const int64_t s0 = (b - b0) * 32, len = std::min<int64_t>(32, n - b * 32);
+    amax[b - b0] = len == 32 ? mx_values_block<32, SPEC>(j, b, len, vals + s0, codes + s0)
+                             : mx_values_block<0, SPEC>(j, b, len, vals + s0, codes + s0);
+  }
+  for (int64_t b = b0; b < b1; b++) j.out_scales[b] = mx_scale_code(amax[b - b0], j.f.emax);
+  for (int64_t b = b0; b < b1; b++) {  // pass 3: codes
+    const int64_t s0 = (b - b0) * 32, len = std::min<int64_t>(32, n - b * 32);
+    mx_codes_block<SPEC>(j, len, vals + s0, j.out_scales[b], codes + s0);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Arguments of dq_mx_run (mirrored by a ctypes.Structure in cpu_native.py).
+struct dq_mx_args {
+  int32_t op;           // 0 encode, 1 reduce (fused), 2 decode
+  int32_t in_kind;      // values / local slice: 0 fp32, 1 bf16, 2 fp16
+  const void* x;
+  const uint8_t* in;
+  uint8_t* out;
+  float* out_values;
+  int64_t n;
+  int32_t specials;     // 0 ieee, 1 fn, 2 none, 3 int
+  int32_t nmant, bias, bits, max_code, nan_code, inf_code, emax;
+  int32_t nthreads;
+};
+
+int dq_mx_run(dq_mx_args* a) {
+  const int64_t n = a->n, bs = 32;
+  if (n <= 0) return 0;
+  const MxFormat f{a->nmant, a->bias, a->bits, a->max_code, a->nan_code, a->inf_code, a->emax};
+  const int bits = a->bits;
+  const int64_t nblocks = (n + bs - 1) / bs;
+  const int64_t nbytes = (n * bits + 7) / 8;
+  const int64_t per_chunk = 128;  // blocks of 32 (whole bytes for every element width)
+  const uint8_t* in_stream = a->in ? a->in + nblocks : nullptr;
+  uint8_t* out_stream = a->out ? a->out + nblocks : nullptr;
+  const MxJob job{a->op, a->specials, f, a->in, a->out};
+
+  auto work = [&](int64_t t0, int64_t t1, int) -> bool {
+    float vals[per_chunk * 32];
+    uint8_t codes[per_chunk * 32 + 8];
+    for (int64_t tc = t0; tc < t1; tc += per_chunk) {
+      const int64_t b1 = std::min(t1, tc + per_chunk);
+      const int64_t e0 = tc * bs, e1 = std::min(n, b1 * bs);
+      const int64_t cnt = e1 - e0, ng = (cnt + 7) / 8;
+      if (a->op == 2) {  // decode: element value * scale
+        unpack_any(bits, in_stream, nbytes, e0 / 8, ng, codes);
+        float* o = a->out_values;
+        switch (job.specials) {
+          case SPEC_IEEE: mx_decode_chunk<SPEC_IEEE>(job, n, tc, b1, codes, o); break;
+          case SPEC_FN: mx_decode_chunk<SPEC_FN>(job, n, tc, b1, codes, o); break;
+          case SPEC_NONE: mx_decode_chunk<SPEC_NONE>(job, n, tc, b1, codes, o); break;
+          default: mx_decode_chunk<SPEC_INT>(job, n, tc, b1, codes, o); break;
+        }
+        continue;
+      }
+      load_values_any(a->in_kind, a->x, e0, cnt, vals);
+      if (a->op == 1) unpack_any(bits, in_stream, nbytes, e0 / 8, ng, codes);
+      switch (job.specials) {
+        case SPEC_IEEE: mx_encode_chunk<SPEC_IEEE>(job, n, tc, b1, vals, codes); break;
+        case SPEC_FN: mx_encode_chunk<SPEC_FN>(job, n, tc, b1, vals, codes); break;
+        case SPEC_NONE: mx_encode_chunk<SPEC_NONE>(job, n, tc, b1, vals, codes); break;
+        default: mx_encode_chunk<SPEC_INT>(job, n, tc, b1, vals, codes); break;
+      }
+      std::memset(codes + cnt, 0, (size_t)(8 * ng - cnt));
+      pack_any(bits, codes, e0 / 8, ng, out_stream, nbytes);
+    }
+    return true;
+  };
+  int nt = (int)std::max<int64_t>(1, a->nthreads);
+  return parallel_tiles(nblocks, nt, work) ? 0 : 1;
+}
+
+// The layout version of the two argument structures (checked when the library loads).
+int dq_abi_version(void) { return 1; }
+
+}  // extern "C"

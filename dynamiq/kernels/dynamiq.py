@@ -1,0 +1,852 @@
+# mypy: allow-untyped-defs
+"""Triton kernels of the DynamiQ codec (``dynamiq``: every ``span``, ``super_group``, ``group``,
+``levels``, ``rounding``, ``hop_slope``, ``pooled`` and ``scale_steps``).
+
+Reference: :class:`dynamiq.codecs.dynamiq_codec.DynamiqCodec` (``_encode``, ``_decode``, and
+``_reduce`` = ``_encode(_decode(payload, ctx) + local.float(), out_ctx)``); the wire layout of
+a span is its module docstring's (bf16 super-group scales, 4-bit group codes, then the codes of
+varying widths back to back, LSB first, in a container of ``floor(bits_k * len)`` bits).
+Bit-exact with it:
+
+* the super-group scale is the smallest bf16 ``>= absmax``: ``(bits + 0xffff) >> 16`` on the
+  fp32 bits of the absmax, which is the integer max of the magnitude bits (NaN > Inf >
+  finite, so NaN is never dropped); a NaN scale is written as the reference's ``0xffff``;
+* group codes compare the 16 candidate group scales ``fl32(S * step[e mod k]) * 2^-(e div
+  k)`` (the reference's products, in its order) with the group absmax;
+* the widths come from the same integer water-filling over the span: the smallest threshold
+  ``tau`` whose cost fits the budget (each pass over the span's group levels ``L = k *
+  floor(log2 S) - e`` costs 16 thresholds and narrows the bracket to one sixteenth), then
+  the leftover bits to the groups whose next bit is worth ``tau - 1``, in index order (a
+  running prefix sum);
+* levels are looked up in the reference's own fp32 tables (a binary search for
+  ``searchsorted``), ``x / s`` and the rounding fraction use ``div_rn``, the dither is the
+  shared counter hash (:mod:`dynamiq.kernels._common`), and no FMA is contracted.
+
+One program per span, three passes over its groups in order (tiles ``[BSG, CG, GP]``: ``BSG``
+super-groups by ``CG`` groups by the group size padded to ``GP``, or one super-group cut into
+``NCH`` chunks of ``CG`` groups):
+
+1. (reduce) the incoming header: group levels into a scratch row, then its ``tau`` and
+   leftover;
+2. statistics: the values (decoded incoming + local) give the group absmax (scratch) and the
+   super-group scales (written to the output header); then the group codes (output header)
+   and levels (scratch), and the outgoing ``tau`` and leftover;
+3. the values again: widths and bit offsets by running prefix sums, quantize, pack.
+
+Packing variable widths without atomics: a code starting at bit ``p`` adds ``code << (p mod
+8)`` to byte ``p div 8``'s run; a prefix sum over the tile, the sum at each run's last lane
+written to a scratch row, and each output byte ``(run_k & 0xff) | (run_{k-1} >> 8)`` (the
+previous run's spill); the byte a tile ends in is carried into the next tile.
+
+The values are read twice (statistics, then quantize): the widths of a span depend on all of
+its scales, and a span (64K values) does not fit on chip.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dynamiq.codecs.base import HopContext
+from dynamiq.codecs.dynamiq_codec import _PRIORITY, DynamiqCodec
+from dynamiq.codecs.hashing import hash_keys
+
+from ._common import hash_u32, load_f32, tile_elems, uniform_open01, value_view
+from ._stats import record_launch
+
+__all__ = ["decode", "encode", "reduce"]
+
+#: widths are 0..8 bits
+_MAX_W = 8
+#: the fp32 table: the levels of width w at [2^w - 2, 2^(w+1) - 2), then the scale steps
+STEPS_AT: tl.constexpr = tl.constexpr((1 << (_MAX_W + 1)) - 2)
+#: the group level of a group that gets no bits (its scale is zero or not finite)
+DEAD: tl.constexpr = tl.constexpr(-(1 << 26))
+#: a threshold no group reaches (a span without live groups)
+NEVER: tl.constexpr = tl.constexpr(1 << 30)
+#: the bf16 pattern of a NaN super-group scale: the reference's (``_bf16_round_up``), the
+#: pattern torch's CPU fp32 -> bf16 conversion writes, on every device
+NAN_SCALE: tl.constexpr = tl.constexpr(0xFFFF)
+
+
+# -- header and group scales ------------------------------------------------------------------
+# (few nested @triton.jit calls: each one costs the interpreter milliseconds)
+
+
+@triton.jit
+def _load_s16(hdr_ptr, sg, mask):
+    """bf16 bits (int32) of the super-group scales ``sg`` of a span header."""
+    lo = tl.load(hdr_ptr + 2 * sg, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(hdr_ptr + 2 * sg + 1, mask=mask, other=0).to(tl.int32)
+    return lo | (hi << 8)
+
+
+@triton.jit
+def _group_scale(s, e, tab_ptr, K: tl.constexpr):
+    """``fl32(S * step[e mod K]) * 2^-(e div K)`` (``_group_scale`` of the reference)."""
+    step = tl.load(tab_ptr + STEPS_AT + e % K)
+    return (s * step) * ((127 - e // K) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _level_of(s16, e, K: tl.constexpr):
+    """Group level ``L = K * floor(log2 S) - e`` (``DEAD`` unless ``0 < S < inf``) and
+    whether the group is live; ``floor(log2 S)`` of a bf16 subnormal from the exponent of
+    its mantissa converted to fp32 (exact)."""
+    live = (s16 > 0) & (s16 < 0x7F80)
+    eb = (s16 >> 7) & 0xFF
+    sub = (((s16 & 0x7F).to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 260
+    lvl = K * tl.where(eb > 0, eb - 127, sub) - e
+    return tl.where(live, lvl, DEAD), live
+
+
+@triton.jit
+def _group_meta(hdr_ptr, ebase, g, mask, tab_ptr, PER_SG: tl.constexpr, K: tl.constexpr):
+    """Of groups ``g`` of a span header: code ``e``, level ``L`` (``DEAD`` if not live),
+    whether live, and the group scale ``fl32(S * step[e mod K]) * 2^-(e div K)``."""
+    sg = g // PER_SG
+    s16 = tl.load(hdr_ptr + 2 * sg, mask=mask, other=0).to(tl.int32)
+    s16 |= tl.load(hdr_ptr + 2 * sg + 1, mask=mask, other=0).to(tl.int32) << 8
+    e = tl.load(hdr_ptr + ebase + (g >> 1), mask=mask, other=0).to(tl.int32)
+    e = (e >> ((g & 1) * 4)) & 15
+    live = (s16 > 0) & (s16 < 0x7F80) & mask
+    eb = (s16 >> 7) & 0xFF
+    sub = (((s16 & 0x7F).to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 260
+    lvl = tl.where(live, K * tl.where(eb > 0, eb - 127, sub) - e, DEAD)
+    step = tl.load(tab_ptr + STEPS_AT + e % K)
+    s = (s16 << 16).to(tl.float32, bitcast=True)
+    scale = (s * step) * ((127 - e // K) << 23).to(tl.float32, bitcast=True)
+    return e, lvl, live, scale
+
+
+# -- water-filling ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _cost(
+    lvl_ptr,
+    ng,
+    n,
+    tau,
+    G: tl.constexpr,
+    Q0: tl.constexpr,
+    Q1: tl.constexpr,
+    Q2: tl.constexpr,
+    Q3: tl.constexpr,
+    Q4: tl.constexpr,
+    Q5: tl.constexpr,
+    Q6: tl.constexpr,
+    Q7: tl.constexpr,
+    NT: tl.constexpr,
+    BLK: tl.constexpr,
+):
+    """Bits the span's groups take at each of the thresholds ``tau`` ``[NT]`` (group levels
+    from a scratch row)."""
+    acc = tl.zeros([NT], dtype=tl.int32)
+    t = tau[None, :]
+    for gb in range(0, ng, BLK):
+        g = gb + tl.arange(0, BLK)
+        m = g < ng
+        p = 8 * tl.load(lvl_ptr + g, mask=m, other=DEAD)[:, None]
+        cnt = (p + Q0 >= t).to(tl.int32) + (p + Q1 >= t).to(tl.int32)
+        cnt += (p + Q2 >= t).to(tl.int32) + (p + Q3 >= t).to(tl.int32)
+        cnt += (p + Q4 >= t).to(tl.int32) + (p + Q5 >= t).to(tl.int32)
+        cnt += (p + Q6 >= t).to(tl.int32) + (p + Q7 >= t).to(tl.int32)
+        size = tl.where(m, tl.minimum(n - g * G, G), 0)
+        acc += tl.sum(cnt * size[:, None], axis=0)
+    return acc
+
+
+@triton.jit
+def _search(
+    lvl_ptr,
+    ng,
+    n,
+    budget,
+    lmin,
+    lmax,
+    any_live,
+    G: tl.constexpr,
+    Q0: tl.constexpr,
+    Q1: tl.constexpr,
+    Q2: tl.constexpr,
+    Q3: tl.constexpr,
+    Q4: tl.constexpr,
+    Q5: tl.constexpr,
+    Q6: tl.constexpr,
+    Q7: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    NT: tl.constexpr,
+    BLK: tl.constexpr,
+):
+    """``(tau, leftover)``: the smallest threshold in ``[8 Lmin + min Q, 8 Lmax + max Q + 1]``
+    whose cost fits the budget (the cost falls as ``tau`` grows: the reference's binary
+    search finds the same one), and the bits it leaves; ``NEVER`` without live groups.
+    Each pass costs ``NT`` thresholds at once and keeps the bracket between two of them."""
+    lo = tl.where(any_live, 8 * lmin + QMIN, 0)
+    hi = tl.where(any_live, 8 * lmax + QMAX + 1, 0)
+    used = tl.full([], 0, tl.int32)  # the cost at hi (none above the largest priority)
+    i = tl.arange(0, NT)
+    while lo < hi:
+        cand = lo + ((hi - lo) * (i + 1)) // (NT + 1)  # lo <= cand < hi, non-decreasing
+        cost = _cost(lvl_ptr, ng, n, cand, G, Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, NT, BLK)
+        first = tl.min(tl.where(cost <= budget, i, NT), axis=0)  # the fitting ones: a suffix
+        hi = tl.where(first < NT, tl.sum(tl.where(i == first, cand, 0), axis=0), hi)
+        used = tl.where(first < NT, tl.sum(tl.where(i == first, cost, 0), axis=0), used)
+        lo = tl.where(first > 0, tl.sum(tl.where(i == first - 1, cand, 0), axis=0) + 1, lo)
+    return tl.where(any_live, lo, NEVER), budget - used
+
+
+@triton.jit
+def _header_levels(
+    hdr_ptr,
+    lvl_ptr,
+    tab_ptr,
+    nsg,
+    ng,
+    PER_SG: tl.constexpr,
+    K: tl.constexpr,
+    BLK: tl.constexpr,
+):
+    """Levels of a received span's groups into a scratch row; ``(Lmin, Lmax, any live)``."""
+    lmin = tl.full([], 1 << 20, tl.int32)
+    lmax = tl.full([], -(1 << 20), tl.int32)
+    for gb in range(0, ng, BLK):
+        g = gb + tl.arange(0, BLK)
+        m = g < ng
+        _, lvl, live, _ = _group_meta(hdr_ptr, 2 * nsg, g, m, tab_ptr, PER_SG, K)
+        tl.store(lvl_ptr + g, lvl, mask=m)
+        lmin = tl.minimum(lmin, tl.min(tl.where(live, lvl, 1 << 20), axis=0))
+        lmax = tl.maximum(lmax, tl.max(tl.where(live, lvl, -(1 << 20)), axis=0))
+    return lmin, lmax, lmin <= lmax
+
+
+@triton.jit
+def _tile_widths(
+    lvl,
+    live,
+    size,
+    tau,
+    left,
+    flat,
+    rise_c,
+    bit_c,
+    POOLED: tl.constexpr,
+    Q0: tl.constexpr,
+    Q1: tl.constexpr,
+    Q2: tl.constexpr,
+    Q3: tl.constexpr,
+    Q4: tl.constexpr,
+    Q5: tl.constexpr,
+    Q6: tl.constexpr,
+    Q7: tl.constexpr,
+    BSG: tl.constexpr,
+    CG: tl.constexpr,
+):
+    """Widths and bit offsets of a tile's groups ``[BSG, CG]`` (in index order), carrying
+    the leftover prefix ``rise_c`` and the bit offset ``bit_c`` from the previous tiles."""
+    if POOLED:
+        p = 8 * lvl
+        wb = (p + Q0 >= tau).to(tl.int32) + (p + Q1 >= tau).to(tl.int32)
+        wb += (p + Q2 >= tau).to(tl.int32) + (p + Q3 >= tau).to(tl.int32)
+        wb += (p + Q4 >= tau).to(tl.int32) + (p + Q5 >= tau).to(tl.int32)
+        wb += (p + Q6 >= tau).to(tl.int32) + (p + Q7 >= tau).to(tl.int32)
+        # Q[min(wb, 7)]: the priority of the next bit
+        qn = tl.where(wb == 0, Q0, tl.where(wb == 1, Q1, tl.where(wb == 2, Q2, Q3)))
+        qn = tl.where(wb >= 4, tl.where(wb == 4, Q4, tl.where(wb == 5, Q5, Q6)), qn)
+        qn = tl.where(wb >= 7, Q7, qn)
+        rising = live & (wb < 8) & (p + qn == tau - 1)
+        rs = tl.where(rising, size, 0)
+        cum = tl.reshape(tl.cumsum(tl.reshape(rs, [BSG * CG]), 0), [BSG, CG]) + rise_c
+        w = tl.where(live, wb + (rising & (cum <= left)).to(tl.int32), 0)
+        rise_c = rise_c + tl.sum(tl.sum(rs, axis=1), axis=0)
+    else:
+        w = tl.where(live, flat, 0)
+    nbits = w * size
+    incl = tl.reshape(tl.cumsum(tl.reshape(nbits, [BSG * CG]), 0), [BSG, CG])
+    off = incl - nbits + bit_c
+    bit_c = bit_c + tl.sum(tl.sum(nbits, axis=1), axis=0)
+    return w, off, rise_c, bit_c
+
+
+# -- tiles ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_groups(
+    sgb,
+    c,
+    n,
+    ng,
+    G: tl.constexpr,
+    PER_SG: tl.constexpr,
+    GP: tl.constexpr,
+    BSG: tl.constexpr,
+    CG: tl.constexpr,
+):
+    """Groups ``[BSG, CG]`` of the tile (super-groups from ``sgb``, chunk ``c``): index,
+    whether real, size; elements ``[BSG, CG, GP]``: index in the span, whether real."""
+    sgl = tl.arange(0, BSG)[:, None]
+    gi = c * CG + tl.arange(0, CG)[None, :]
+    g = (sgb + sgl) * PER_SG + gi
+    greal = (gi < PER_SG) & (g < ng)
+    size = tl.where(greal, tl.minimum(n - g * G, G), 0)
+    jj = tl.arange(0, GP)[None, None, :]
+    el = g[:, :, None] * G + jj
+    ereal = jj < size[:, :, None]
+    return g, greal, size, jj, el, ereal
+
+
+@triton.jit
+def _decode_tile(
+    hdr_ptr,
+    ebase,
+    body_ptr,
+    nbody,
+    tab_ptr,
+    g,
+    greal,
+    size,
+    jj,
+    ereal,
+    tau,
+    left,
+    flat,
+    rise_c,
+    bit_c,
+    K: tl.constexpr,
+    PER_SG: tl.constexpr,
+    POOLED: tl.constexpr,
+    Q0: tl.constexpr,
+    Q1: tl.constexpr,
+    Q2: tl.constexpr,
+    Q3: tl.constexpr,
+    Q4: tl.constexpr,
+    Q5: tl.constexpr,
+    Q6: tl.constexpr,
+    Q7: tl.constexpr,
+    BSG: tl.constexpr,
+    CG: tl.constexpr,
+):
+    """Decoded fp32 values ``[BSG, CG, GP]`` of a tile of a span payload: ``level * s``
+    (``0 * s`` for width 0, so a NaN or Inf scale decodes to NaN)."""
+    _, lvl, live, scale = _group_meta(hdr_ptr, ebase, g, greal, tab_ptr, PER_SG, K)
+    w, off, rise_c, bit_c = _tile_widths(
+        lvl, live, size, tau, left, flat, rise_c, bit_c, POOLED,
+        Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, BSG, CG,
+    )  # fmt: skip
+    w3 = w[:, :, None]
+    pos = off[:, :, None] + jj * w3
+    m = ereal & (w3 > 0)
+    byte = pos >> 3
+    b0 = tl.load(body_ptr + byte, mask=m & (byte < nbody), other=0).to(tl.int32)
+    b1 = tl.load(body_ptr + byte + 1, mask=m & (byte + 1 < nbody), other=0).to(tl.int32)
+    code = ((b0 | (b1 << 8)) >> (pos & 7)) & ((1 << w3) - 1)
+    level = tl.load(tab_ptr + (1 << w3) - 2 + code, mask=m, other=0.0)
+    return level * scale[:, :, None], rise_c, bit_c
+
+
+@triton.jit
+def _quantize(v, scale, w, tab_ptr, idx, key0, key1, ckey0, ckey1, hop, num_hops, MODE):
+    """Level index of each value (``_quantize`` of the reference) in its width's table: the
+    nearest (ties to the lower level) or, with a dither ``u``, the upper neighbour when
+    ``u < frac``; 0 where the width is 0."""
+    m = w > 0
+    y = tl.math.div_rn(v, tl.where(m, scale, 1.0))
+    y = tl.minimum(tl.maximum(y, -1.0), 1.0)
+    nlev = 1 << w
+    base = nlev - 2
+    # searchsorted(levels, y): how many levels are < y (binary lifting over <= 256 levels)
+    cnt = tl.zeros_like(w)
+    for b in tl.static_range(8):
+        cand = cnt + (128 >> b)
+        ok = m & (cand <= nlev)
+        lv = tl.load(tab_ptr + base + cand - 1, mask=ok, other=0.0)
+        cnt = tl.where(ok & (lv < y), cand, cnt)
+    hi = tl.minimum(tl.maximum(cnt, 1), nlev - 1)
+    lo = hi - 1
+    l_lo = tl.load(tab_ptr + base + lo, mask=m, other=0.0)
+    l_hi = tl.load(tab_ptr + base + hi, mask=m, other=1.0)
+    frac = tl.math.div_rn(y - l_lo, l_hi - l_lo)
+    frac = tl.minimum(tl.maximum(frac, 0.0), 1.0)
+    if MODE == 0:
+        up = frac > 0.5
+    else:
+        u = uniform_open01(hash_u32(idx, key0, key1))
+        if MODE == 2:
+            # correlated: u = (stratum + v) / H, stratum = (per-coordinate shift + hop) mod H
+            shift = hash_u32(idx, ckey0, ckey1).to(tl.int64) % num_hops
+            stratum = (shift + hop) % num_hops
+            u = tl.math.div_rn(stratum.to(tl.float32) + u, num_hops.to(tl.float32))
+        up = u < frac
+    return tl.where(m, tl.where(up, hi, lo), 0)
+
+
+# -- kernels ----------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["offset", "key0", "key1", "ckey0", "ckey1", "hop", "num_hops"])
+def _dq_encode_kernel(
+    # pointers
+    x_ptr,  # values (encode) or the local slice (reduce): int32 (fp32) / int16 (bf16, fp16)
+    in_ptr,  # incoming payload (reduce; unused when not FUSED)
+    out_ptr,  # output payload
+    tab_ptr,  # fp32: level tables, then the scale steps
+    stat_ptr,  # int32 scratch [spans, NG]: group absmax bits, then group levels
+    lin_ptr,  # int32 scratch [spans, NG]: group levels of the incoming span (FUSED)
+    pack_ptr,  # int32 scratch [spans, BSG * CG * GP + 2]: the packer's run sums
+    # sizes
+    numel,
+    in_span_bytes,  # bytes of a full span in the incoming payload
+    out_span_bytes,
+    in_budget,  # bits of a full span's container, and of the last (partial) span's
+    in_budget_last,
+    out_budget,
+    out_budget_last,
+    # hop context of the output (stochastic and correlated rounding)
+    offset,  # global index of element 0
+    key0,
+    key1,
+    ckey0,  # keys of the per-coordinate hop shift (correlated)
+    ckey1,
+    hop,
+    num_hops,
+    # meta-parameters
+    FUSED: tl.constexpr,  # reduce: values = decode(in payload) + local
+    IN_KIND: tl.constexpr,  # 0 fp32, 1 bf16, 2 fp16
+    SPAN: tl.constexpr,
+    SG: tl.constexpr,
+    G: tl.constexpr,
+    PER_SG: tl.constexpr,  # SG // G
+    NG: tl.constexpr,  # groups of a full span
+    K: tl.constexpr,  # scale_steps
+    POOLED: tl.constexpr,
+    MODE: tl.constexpr,  # 0 nearest, 1 uniform dither, 2 correlated dither
+    Q0: tl.constexpr,  # the integer priorities of the next bit at widths 0..7
+    Q1: tl.constexpr,
+    Q2: tl.constexpr,
+    Q3: tl.constexpr,
+    Q4: tl.constexpr,
+    Q5: tl.constexpr,
+    Q6: tl.constexpr,
+    Q7: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    NT: tl.constexpr,  # thresholds costed per pass of the water-filling search
+    GP: tl.constexpr,  # group size padded to a power of two
+    CG: tl.constexpr,  # groups per tile row (a power of two)
+    BSG: tl.constexpr,  # super-groups per tile
+    NCH: tl.constexpr,  # chunks of CG groups per super-group
+    BLK: tl.constexpr,  # groups per step of the group loops
+):
+    # bytes moved per element: the values twice (4 fp32, 2 bf16/fp16), the output payload
+    # (bits_k / 8 + 2 / SG + 1 / 2G) once; FUSED adds the incoming payload twice; scratch
+    # (L2-resident): 8 / G written and read, and the packer's run sums (~bits / 2)
+
+    # -- map program -> one span
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * SPAN
+    n = tl.minimum(numel - start, SPAN).to(tl.int32)
+    last = start + SPAN >= numel
+    ng = (n + G - 1) // G
+    nsg = (n + SG - 1) // SG
+    ebase = 2 * nsg
+    hbytes = ebase + (ng * 4 + 7) // 8
+    x_span = x_ptr + start
+    budget = tl.where(last, out_budget_last, out_budget)
+    nbody = (budget + 7) // 8
+    out = out_ptr + pid.to(tl.int64) * out_span_bytes
+    body = out + hbytes
+    stat = stat_ptr + pid.to(tl.int64) * NG
+    NE: tl.constexpr = BSG * CG * GP
+    pack = pack_ptr + pid.to(tl.int64) * (NE + 2)
+    flat = tl.minimum(budget // tl.maximum(n, 1), 8)
+    zero = tl.full([], 0, tl.int32)
+
+    # -- 1. the incoming span's allocation (FUSED)
+    inp = in_ptr + pid.to(tl.int64) * in_span_bytes
+    in_budget_n = tl.where(last, in_budget_last, in_budget)
+    in_body = inp + hbytes
+    in_nbody = (in_budget_n + 7) // 8
+    in_flat = tl.minimum(in_budget_n // tl.maximum(n, 1), 8)
+    in_tau = zero
+    in_left = zero
+    if FUSED:
+        lin = lin_ptr + pid.to(tl.int64) * NG
+        if POOLED:
+            lmin, lmax, any_live = _header_levels(inp, lin, tab_ptr, nsg, ng, PER_SG, K, BLK)
+            tl.debug_barrier()
+            in_tau, in_left = _search(
+                lin, ng, n, in_budget_n, lmin, lmax, any_live, G,
+                Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, QMIN, QMAX, NT, BLK,
+            )  # fmt: skip
+
+    # -- 2a. statistics: group absmax (scratch), super-group scales (output header)
+    in_rise = zero
+    in_bit = zero
+    for sgb in range(0, nsg, BSG):
+        amax = tl.zeros([BSG], dtype=tl.int32)
+        for c in range(NCH):
+            g, greal, size, jj, el, ereal = _tile_groups(sgb, c, n, ng, G, PER_SG, GP, BSG, CG)
+            # -- load with mask: fp32 values (fused: decoded partial sum + local)
+            v = load_f32(x_span, el, ereal, IN_KIND)
+            if FUSED:
+                partial, in_rise, in_bit = _decode_tile(
+                    inp, ebase, in_body, in_nbody, tab_ptr, g, greal, size, jj, ereal,
+                    in_tau, in_left, in_flat, in_rise, in_bit, K, PER_SG, POOLED,
+                    Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, BSG, CG,
+                )  # fmt: skip
+                v = partial + v
+            # -- compute: integer max of the magnitude bits (NaN > Inf > finite)
+            mag = tl.where(ereal, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+            ag = tl.max(mag, axis=2)
+            tl.store(stat + g, ag, mask=greal)
+            amax = tl.maximum(amax, tl.max(ag, axis=1))
+        # -- store with mask: S = the smallest bf16 >= absmax (NaN: NAN_SCALE)
+        sg = sgb + tl.arange(0, BSG)
+        s16 = tl.where(amax > 0x7F800000, NAN_SCALE, (amax + 0xFFFF) >> 16)
+        tl.store(out + 2 * sg, (s16 & 0xFF).to(tl.uint8), mask=sg < nsg)
+        tl.store(out + 2 * sg + 1, (s16 >> 8).to(tl.uint8), mask=sg < nsg)
+    tl.debug_barrier()
+
+    # -- 2b. group codes (output header) and levels (scratch), two groups per byte
+    lmin = tl.full([], 1 << 20, tl.int32)
+    lmax = tl.full([], -(1 << 20), tl.int32)
+    for pb in range(0, (ng + 1) // 2, BLK // 2):
+        pr = pb + tl.arange(0, BLK // 2)
+        g = 2 * pr[:, None] + tl.arange(0, 2)[None, :]
+        m = g < ng
+        a = tl.load(stat + g, mask=m, other=0)
+        s16 = _load_s16(out, g // PER_SG, m)
+        s = (s16 << 16).to(tl.float32, bitcast=True)
+        af = a.to(tl.float32, bitcast=True)
+        # the 16 candidate group scales, as the decoder computes them: the largest code
+        # whose scale is still >= the absmax
+        j = tl.arange(0, 16)[None, None, :]
+        cand = _group_scale(s[:, :, None], j, tab_ptr, K)
+        e = tl.max(tl.where(cand >= af[:, :, None], j, -1), axis=2)
+        e = tl.minimum(tl.maximum(e, 0), 15)
+        e = tl.where(a == 0, 15, e)
+        e = tl.where(m, e, 0)
+        tl.debug_barrier()  # every absmax of the block is read before its level overwrites it
+        nib = tl.sum(e << (tl.arange(0, 2)[None, :] * 4), axis=1)
+        tl.store(out + ebase + pr, nib.to(tl.uint8), mask=2 * pr < ng)
+        lvl, live = _level_of(s16, e, K)
+        live = live & m
+        tl.store(stat + g, lvl, mask=m)
+        lmin = tl.minimum(lmin, tl.min(tl.min(tl.where(live, lvl, 1 << 20), axis=1), axis=0))
+        lmax = tl.maximum(lmax, tl.max(tl.max(tl.where(live, lvl, -(1 << 20)), axis=1), axis=0))
+    tl.debug_barrier()
+    tau = zero
+    left = zero
+    if POOLED:
+        tau, left = _search(
+            stat, ng, n, budget, lmin, lmax, lmin <= lmax, G,
+            Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, QMIN, QMAX, NT, BLK,
+        )  # fmt: skip
+
+    # -- 3. the values again: widths, offsets, quantize, pack
+    in_rise = zero
+    in_bit = zero
+    rise = zero
+    bit = zero
+    kc = zero  # the byte the previous tile ended in, its run so far, and the run before it
+    crun = zero
+    cprev = zero
+    lane = tl.arange(0, NE)
+    for sgb in range(0, nsg, BSG):
+        for c in range(NCH):
+            g, greal, size, jj, el, ereal = _tile_groups(sgb, c, n, ng, G, PER_SG, GP, BSG, CG)
+            # -- load with mask: the values, as in 2a
+            v = load_f32(x_span, el, ereal, IN_KIND)
+            if FUSED:
+                partial, in_rise, in_bit = _decode_tile(
+                    inp, ebase, in_body, in_nbody, tab_ptr, g, greal, size, jj, ereal,
+                    in_tau, in_left, in_flat, in_rise, in_bit, K, PER_SG, POOLED,
+                    Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, BSG, CG,
+                )  # fmt: skip
+                v = partial + v
+            # -- compute: the groups' scales and widths, then the level indices
+            _, lvl, live, scale = _group_meta(out, ebase, g, greal, tab_ptr, PER_SG, K)
+            k0 = bit >> 3
+            # -- store: the byte the previous tile ended in, when this tile starts past it
+            tl.store(body + kc, ((crun & 0xFF) | (cprev >> 8)).to(tl.uint8), mask=k0 != kc)
+            w, off, rise, bit = _tile_widths(
+                lvl, live, size, tau, left, flat, rise, bit, POOLED,
+                Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, BSG, CG,
+            )  # fmt: skip
+            w3 = tl.where(ereal, w[:, :, None], 0)
+            idx = offset + start + el
+            code = _quantize(
+                v, scale[:, :, None], w3, tab_ptr, idx, key0, key1, ckey0, ckey1, hop,
+                num_hops, MODE,
+            )  # fmt: skip
+            # -- pack: byte runs of the codes (code << (p mod 8) at byte p div 8)
+            pos = off[:, :, None] + tl.where(ereal, jj, size[:, :, None]) * w[:, :, None]
+            key = tl.reshape(pos >> 3, [NE])
+            nxt = tl.reshape((pos + w3) >> 3, [NE])
+            psum = tl.cumsum(tl.reshape(code << (pos & 7), [NE]), 0)
+            k1 = tl.max(key, axis=0)
+            tl.debug_barrier()  # the previous tile has read its run sums
+            tl.store(pack + key - k0 + 1, psum, mask=(nxt != key) | (lane == NE - 1))
+            tl.debug_barrier()
+            nb = k1 - k0
+            r0 = tl.load(pack + lane + 1, mask=lane <= nb, other=0)
+            r0 -= tl.load(pack + lane, mask=(lane >= 1) & (lane <= nb), other=0)
+            r1 = tl.load(pack + lane, mask=(lane >= 1) & (lane <= nb), other=0)
+            r1 -= tl.load(pack + lane - 1, mask=(lane >= 2) & (lane <= nb), other=0)
+            cont = k0 == kc
+            run = r0 + tl.where((lane == 0) & cont, crun, 0)
+            prev = r1 + tl.where((lane == 1) & cont, crun, 0)
+            first_prev = tl.where(cont, cprev, tl.where(k0 == kc + 1, crun, 0))
+            prev = tl.where(lane == 0, first_prev, prev)
+            # -- store with mask: the bytes this tile completed
+            byte = (run & 0xFF) | (prev >> 8)
+            tl.store(body + k0 + lane, byte.to(tl.uint8), mask=lane < nb)
+            kc = k1
+            crun = tl.sum(tl.where(lane == nb, run, 0), axis=0)
+            cprev = tl.sum(tl.where(lane == nb, prev, 0), axis=0)
+
+    # -- store with mask: the last byte, its spill, zeros to the end of the container
+    b0 = (crun & 0xFF) | (cprev >> 8)
+    b1 = crun >> 8
+    for zb in range(kc, nbody, BLK):
+        i = zb + tl.arange(0, BLK)
+        val = tl.where(i == kc, b0, tl.where(i == kc + 1, b1, 0))
+        tl.store(body + i, val.to(tl.uint8), mask=i < nbody)
+
+
+@triton.jit
+def _dq_decode_kernel(
+    # pointers
+    in_ptr,  # payload
+    out_ptr,  # fp32 values
+    tab_ptr,  # fp32: level tables, then the scale steps
+    lin_ptr,  # int32 scratch [spans, NG]: group levels
+    # sizes
+    numel,
+    in_span_bytes,
+    in_budget,
+    in_budget_last,
+    # meta-parameters
+    SPAN: tl.constexpr,
+    SG: tl.constexpr,
+    G: tl.constexpr,
+    PER_SG: tl.constexpr,
+    NG: tl.constexpr,
+    K: tl.constexpr,
+    POOLED: tl.constexpr,
+    Q0: tl.constexpr,
+    Q1: tl.constexpr,
+    Q2: tl.constexpr,
+    Q3: tl.constexpr,
+    Q4: tl.constexpr,
+    Q5: tl.constexpr,
+    Q6: tl.constexpr,
+    Q7: tl.constexpr,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    NT: tl.constexpr,  # thresholds costed per pass of the water-filling search
+    GP: tl.constexpr,
+    CG: tl.constexpr,
+    BSG: tl.constexpr,
+    NCH: tl.constexpr,
+    BLK: tl.constexpr,
+):
+    # bytes moved per element: the payload (bits_k / 8 + 2 / SG + 1 / 2G) read, 4 written;
+    # scratch: 4 / G written and read
+
+    # -- map program -> one span
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * SPAN
+    n = tl.minimum(numel - start, SPAN).to(tl.int32)
+    last = start + SPAN >= numel
+    ng = (n + G - 1) // G
+    nsg = (n + SG - 1) // SG
+    ebase = 2 * nsg
+    inp = in_ptr + pid.to(tl.int64) * in_span_bytes
+    budget = tl.where(last, in_budget_last, in_budget)
+    body = inp + ebase + (ng * 4 + 7) // 8
+    nbody = (budget + 7) // 8
+    flat = tl.minimum(budget // tl.maximum(n, 1), 8)
+    zero = tl.full([], 0, tl.int32)
+
+    # -- compute: the span's allocation from its header
+    tau = zero
+    left = zero
+    if POOLED:
+        lin = lin_ptr + pid.to(tl.int64) * NG
+        lmin, lmax, any_live = _header_levels(inp, lin, tab_ptr, nsg, ng, PER_SG, K, BLK)
+        tl.debug_barrier()
+        tau, left = _search(
+            lin, ng, n, budget, lmin, lmax, any_live, G,
+            Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, QMIN, QMAX, NT, BLK,
+        )  # fmt: skip
+
+    # -- load with mask, compute, store: the values, tile by tile
+    rise = zero
+    bit = zero
+    for sgb in range(0, nsg, BSG):
+        for c in range(NCH):
+            g, greal, size, jj, el, ereal = _tile_groups(sgb, c, n, ng, G, PER_SG, GP, BSG, CG)
+            v, rise, bit = _decode_tile(
+                inp, ebase, body, nbody, tab_ptr, g, greal, size, jj, ereal, tau, left,
+                flat, rise, bit, K, PER_SG, POOLED, Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, BSG, CG,
+            )  # fmt: skip
+            tl.store(out_ptr + start + el, v, mask=ereal)
+
+
+# -- launchers --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Launch geometry and the per-span sizes of one (codec, numel, ctx)."""
+
+    spans: int
+    span_bytes: int  # bytes of a full span
+    budget: int  # container bits of a full span
+    budget_last: int  # of the last span (partial or full)
+
+
+def _plan(codec: DynamiqCodec, numel: int, ctx: HopContext) -> _Plan:
+    spans = -(-numel // codec.span)
+    last = numel - (spans - 1) * codec.span
+    budget, budget_last = codec._budget(codec.span, ctx), codec._budget(last, ctx)
+    n_sg, n_g = codec.span // codec.super_group, codec.span // codec.group
+    span_bytes = 2 * n_sg + (n_g * 4 + 7) // 8 + (budget + 7) // 8
+    last_bytes = -(-last // codec.super_group) * 2 + (-(-last // codec.group) * 4 + 7) // 8
+    total = (spans - 1) * span_bytes + last_bytes + (budget_last + 7) // 8
+    if total != codec.encoded_nbytes(numel, ctx):  # the layout must be the reference's
+        raise RuntimeError(
+            f"dynamiq kernels: {total} payload bytes planned for {numel} values, but the "
+            f"codec encodes them in {codec.encoded_nbytes(numel, ctx)}"
+        )
+    return _Plan(spans=spans, span_bytes=span_bytes, budget=budget, budget_last=budget_last)
+
+
+def _meta(codec: DynamiqCodec, numel: int, device: torch.device) -> dict[str, int]:
+    """Compile-time parameters: the codec's geometry and priorities, and the tile shape."""
+    g, sg = codec.group, codec.super_group
+    per_sg = sg // g
+    gp = triton.next_power_of_2(g)
+    tile = tile_elems(device)  # values per tile: more in the interpreter (fewer steps)
+    cg = min(triton.next_power_of_2(per_sg), max(1, tile // gp))
+    nch = -(-per_sg // cg)
+    n_sg = -(-min(numel, codec.span) // sg)
+    bsg = 1 if nch > 1 else max(1, min(tile // (cg * gp), triton.next_power_of_2(n_sg)))
+    ng_span = codec.span // g
+    q = _PRIORITY[codec.scale_steps]
+    return {
+        "SPAN": codec.span,
+        "SG": sg,
+        "G": g,
+        "PER_SG": per_sg,
+        "NG": ng_span,
+        "K": codec.scale_steps,
+        "POOLED": codec.pooled,
+        **{f"Q{w}": q[w] for w in range(_MAX_W)},
+        "QMIN": min(q),
+        "QMAX": max(q),
+        "NT": 16,
+        "GP": gp,
+        "CG": cg,
+        "BSG": bsg,
+        "NCH": nch,
+        "BLK": max(2, min(triton.next_power_of_2(ng_span), tile // 2)),
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _table_cpu(codec: DynamiqCodec) -> torch.Tensor:
+    """The reference's level tables (``codec._levels``) and scale steps, in one fp32 row."""
+    parts = [codec._levels(w).to(torch.float32).cpu() for w in range(1, _MAX_W + 1)]
+    k = codec.scale_steps
+    parts.append(torch.tensor([2.0 ** (-j / k) for j in range(k)], dtype=torch.float32))
+    table = torch.cat(parts)
+    assert table.numel() == (1 << (_MAX_W + 1)) - 2 + k
+    return table
+
+
+def _table(codec: DynamiqCodec, device: torch.device) -> torch.Tensor:
+    return _table_cpu(codec).to(device)
+
+
+def _scratch(rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    return torch.empty((max(rows, 1), max(cols, 1)), dtype=torch.int32, device=device)
+
+
+def _encode_into(
+    codec: DynamiqCodec,
+    values: torch.Tensor,
+    incoming: torch.Tensor | None,
+    in_ctx: HopContext,
+    out_ctx: HopContext,
+) -> torch.Tensor:
+    device = values.device
+    numel = values.numel()
+    out = torch.empty(codec.encoded_nbytes(numel, out_ctx) or 0, dtype=torch.uint8, device=device)
+    if numel == 0:
+        return out
+    plan = _plan(codec, numel, out_ctx)
+    in_plan = _plan(codec, numel, in_ctx) if incoming is not None else plan
+    meta = _meta(codec, numel, device)
+    ne = meta["BSG"] * meta["CG"] * meta["GP"]
+    xv, kind = value_view(values)
+    key0, key1 = hash_keys(out_ctx.seed, out_ctx.step, out_ctx.hop, out_ctx.rank)
+    ckey0, ckey1 = hash_keys(out_ctx.seed, out_ctx.step, 0xFFFFFFFF, 0xFFFFFFFF)
+    mode = 0
+    if codec.rounding != "nearest":
+        mode = 2 if codec.rounding == "correlated" and out_ctx.num_hops > 1 else 1
+    stat = _scratch(plan.spans, meta["NG"], device)
+    lin = _scratch(plan.spans, meta["NG"], device) if incoming is not None else stat
+    pack = _scratch(plan.spans, ne + 2, device)
+    _dq_encode_kernel[(plan.spans,)](
+        xv, out if incoming is None else incoming, out, _table(codec, device), stat, lin, pack,
+        numel, in_plan.span_bytes, plan.span_bytes,
+        in_plan.budget, in_plan.budget_last, plan.budget, plan.budget_last,
+        out_ctx.offset, key0, key1, ckey0, ckey1, out_ctx.hop, out_ctx.num_hops,
+        FUSED=incoming is not None, IN_KIND=kind, MODE=mode, **meta,
+        num_warps=8, enable_fp_fusion=False,
+    )  # fmt: skip
+    record_launch("_dq_encode_kernel")
+    return out
+
+
+def encode(codec: DynamiqCodec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+    """``codec.encode(x, ctx)`` on the Triton backend."""
+    return _encode_into(codec, x, None, ctx, ctx)
+
+
+def reduce(
+    codec: DynamiqCodec,
+    payload: torch.Tensor,
+    local: torch.Tensor,
+    ctx: HopContext,
+    out_ctx: HopContext,
+) -> torch.Tensor:
+    """``codec.reduce(payload, local, ctx, out_ctx)``: one kernel; the incoming payload and
+    the local slice are read twice (statistics, then quantize), no fp32 tensor in memory."""
+    return _encode_into(codec, local, payload, ctx, out_ctx)
+
+
+def decode(codec: DynamiqCodec, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
+    """``codec.decode(payload, numel, ctx)`` on the Triton backend."""
+    device = payload.device
+    out = torch.empty(numel, dtype=torch.float32, device=device)
+    if numel == 0:
+        return out
+    plan = _plan(codec, numel, ctx)
+    meta = _meta(codec, numel, device)
+    lin = _scratch(plan.spans, meta["NG"], device)
+    _dq_decode_kernel[(plan.spans,)](
+        payload, out, _table(codec, device), lin, numel, plan.span_bytes, plan.budget,
+        plan.budget_last, **meta, num_warps=8, enable_fp_fusion=False,
+    )  # fmt: skip
+    record_launch("_dq_decode_kernel")
+    return out

@@ -1,0 +1,379 @@
+"""The DynamiQ codec's Triton kernels against its PyTorch reference, bit for bit (STYLE.md 7).
+
+Every test computes the reference (``backend="reference"``) beside the kernel
+(``backend="triton"``, forced) on the same device and compares payload bytes, or the int32
+views of fp32 values (NaN by position: which NaN an fp32 add returns is the hardware's
+choice), with no tolerance, and checks that the kernel launched. Spans are small (1024
+values) so that Triton's interpreter runs every configuration in seconds; two tests run the
+default configuration (spans of 65536) on real gradients.
+
+Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` is set before
+Triton is imported and while these tests run); with CUDA the same tests run natively
+(``-m gpu`` selects them).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Triton decides at import whether @triton.jit functions (its own too) are interpreted
+_saved = os.environ.get("TRITON_INTERPRET")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    triton = pytest.importorskip(
+        "triton", reason="the kernel tests need Triton >= 3.6 (pip install 'triton>=3.6')"
+    )
+    import triton.language as tl
+
+    import dynamiq.kernels as K
+    from dynamiq.kernels import dynamiq as kdyn
+finally:
+    if _saved is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
+if DEVICE == "cpu" and type(tl.zeros).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "Triton was imported in compiled mode before this module could set TRITON_INTERPRET=1: "
+        "run the kernel tests first or on their own (or with TRITON_INTERPRET=1 set)",
+        allow_module_level=True,
+    )
+
+from dynamiq.codecs import HopContext, get_codec  # noqa: E402
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec, level_table  # noqa: E402
+from dynamiq.data import load_slice  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_mode() -> Any:
+    """Keep ``TRITON_INTERPRET=1`` while these tests run (Triton imports parts of itself
+    lazily and checks the mode then); the rest of the suite runs without it."""
+    if DEVICE != "cpu":
+        yield
+        return
+    patch = pytest.MonkeyPatch()
+    patch.setenv("TRITON_INTERPRET", "1")
+    yield
+    patch.undo()
+
+
+SMALL = {"id": "dynamiq", "span": 1024, "super_group": 256, "group": 16}
+#: small spans with every knob: levels, rounding, hop_slope, pooled, scale_steps, geometry
+CONFIGS: dict[str, dict[str, Any]] = {
+    "small": SMALL,
+    "uniform": {**SMALL, "levels": "uniform"},
+    "stochastic": {**SMALL, "rounding": "stochastic"},
+    "correlated_slope": {**SMALL, "rounding": "correlated", "hop_slope": 1.5, "bits": 3.5},
+    "unpooled": {**SMALL, "pooled": False, "bits": 5.3},
+    "steps1": {**SMALL, "scale_steps": 1, "bits": 2.9},
+    "steps3_uniform_stochastic": {
+        **SMALL,
+        "scale_steps": 3,
+        "levels": "uniform",
+        "rounding": "stochastic",
+    },
+    "steps4": {**SMALL, "scale_steps": 4, "bits": 6.3},
+    "group3": {"id": "dynamiq", "span": 960, "super_group": 96, "group": 3, "bits": 2.2},
+    "group2_sg2": {"id": "dynamiq", "span": 512, "super_group": 2, "group": 2, "bits": 1.3},
+    "group256": {"id": "dynamiq", "span": 1024, "super_group": 512, "group": 256, "bits": 7.9},
+    "bits_half": {**SMALL, "bits": 0.5, "hop_slope": 4.0},
+    "bits8": {**SMALL, "bits": 8.0},
+}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: (ctx the payload was encoded with, out_ctx of the reduce)
+CTX_PAIRS = (
+    (HopContext(), HopContext()),
+    (
+        HopContext(seed=7, step=3, hop=1, num_hops=4, rank=2, offset=4096),
+        HopContext(seed=7, step=3, hop=2, num_hops=4, rank=5, offset=4096),
+    ),
+    (
+        HopContext(seed=2**40 + 5, step=2**33, hop=0, num_hops=3, rank=1, offset=2**32 - 17),
+        HopContext(seed=2**40 + 5, step=2**33, hop=2, num_hops=3, rank=2, offset=2**32 - 17),
+    ),
+)
+
+
+# -- comparisons ------------------------------------------------------------------------------
+
+
+def assert_values_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """fp32 tensors: identical bits, NaN compared by position."""
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, what
+    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(nan_g, nan_w), f"{what}: NaN positions differ"
+    g = torch.where(nan_g, 0.0, got).view(torch.int32)
+    w = torch.where(nan_w, 0.0, want).view(torch.int32)
+    if not torch.equal(g, w):
+        i = int((g != w).nonzero()[0, 0])
+        raise AssertionError(f"{what}: value {i} differs: {got[i].item()!r} != {want[i].item()!r}")
+
+
+def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got, want = got.cpu(), want.cpu()
+    assert got.dtype == want.dtype == torch.uint8 and got.shape == want.shape, what
+    if not torch.equal(got, want):
+        i = int((got != want).nonzero()[0, 0])
+        raise AssertionError(f"{what}: byte {i} of {got.numel()} differs: {got[i]} != {want[i]}")
+
+
+_KERNEL = {K.encode: "_dq_encode_kernel", K.reduce: "_dq_encode_kernel"}
+_KERNEL[K.decode] = "_dq_decode_kernel"
+
+
+def both(fn: Any, *args: Any) -> tuple[Any, Any]:
+    """``fn`` on the reference and on Triton (forced), with a proof that the kernel ran."""
+    want = fn(*args, backend="reference")
+    assert K.last_backend() == "reference"
+    before = K.launch_counts().get(_KERNEL[fn], 0)
+    got = fn(*args, backend="triton")
+    assert K.last_backend() == "triton"
+    assert K.launch_counts().get(_KERNEL[fn], 0) == before + 1, "the kernel did not launch"
+    return got, want
+
+
+def check_all(
+    codec: DynamiqCodec, x: torch.Tensor, local: torch.Tensor, pair: Any, what: str
+) -> None:
+    """Encode ``x``, decode the reference payload, reduce it with ``local``: all bit-exact."""
+    ctx, out_ctx = pair
+    n = x.numel()
+    got, want = both(K.encode, codec, x, ctx)
+    assert_bytes_equal(got, want, f"encode {what}")
+    got_v, want_v = both(K.decode, codec, want, n, ctx)
+    assert_values_equal(got_v, want_v, f"decode {what}")
+    got_r, want_r = both(K.reduce, codec, want, local, ctx, out_ctx)
+    assert_bytes_equal(got_r, want_r, f"reduce {what}")
+
+
+# -- inputs -----------------------------------------------------------------------------------
+
+
+def random_values(n: int, seed: int) -> torch.Tensor:
+    """Heavy-tailed magnitudes (a normal times 2^-20 .. 2^20), zeros, powers of two."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-20, 21, (n,), generator=g).double())
+    x[::13] = 0.0
+    x[5::17] = torch.exp2(torch.randint(-20, 20, (len(x[5::17]),), generator=g).double())
+    return x.float()
+
+
+def _midpoints() -> torch.Tensor:
+    """1.0 then the midpoints of the uniform and fitted tables (nearest-rounding ties)."""
+    mids = [torch.ones(1)]
+    for kind in ("uniform", "fitted"):
+        for w in (1, 2, 3, 4, 5):
+            lv = level_table(kind, w)
+            mids.append((lv[1:] + lv[:-1]) / 2)
+    return torch.cat(mids)
+
+
+def edge_values(n: int, block: int, seed: int) -> torch.Tensor:
+    """Blocks (one super-group each) of special content: zeros, -0.0, fp32/bf16/fp16
+    subnormals, huge values (beyond bf16's largest too), NaN, ±Inf, one large value among
+    tiny ones, bf16 scales exactly on and one ulp above a bf16 value, constant values (equal
+    priorities: the leftover bits go in index order), nearest-rounding ties."""
+    g = torch.Generator().manual_seed(seed)
+    mid = _midpoints()
+    kinds = [
+        lambda m: torch.zeros(m),
+        lambda m: -torch.zeros(m),
+        lambda m: torch.randint(-(2**23), 2**23, (m,), generator=g).float() * 2.0**-149,
+        lambda m: torch.randint(-127, 128, (m,), generator=g).float() * 2.0**-133,
+        lambda m: torch.randint(-1023, 1024, (m,), generator=g).float() * 2.0**-24,
+        lambda m: torch.linspace(-1, 1, m) * 2.0**127,
+        lambda m: torch.where(torch.arange(m) == 3, 3.39e38, torch.randn(m, generator=g)),
+        lambda m: torch.where(torch.arange(m) == m // 2, float("nan"), 1.0),
+        lambda m: torch.where(torch.arange(m) == 0, float("inf"), -2.0),
+        lambda m: torch.where(torch.arange(m) == m - 1, float("-inf"), 3.0e-3),
+        lambda m: torch.where(torch.arange(m) == 1, 1.0e4, 1.0e-30 * torch.randn(m, generator=g)),
+        lambda m: torch.where(torch.arange(m) == 2, 1.5, torch.randn(m, generator=g)),
+        lambda m: torch.where(
+            torch.arange(m) == 2, float(torch.nextafter(torch.tensor(1.5), torch.tensor(2.0))), 0.7
+        ),
+        lambda m: torch.full((m,), 0.3),
+        lambda m: mid.repeat(-(-m // mid.numel()))[:m],
+    ]
+    parts, k = [], 0
+    while sum(p.numel() for p in parts) < n:
+        parts.append(kinds[k % len(kinds)](block).float())
+        k += 1
+    return torch.cat(parts)[:n] if parts else torch.zeros(0)
+
+
+# -- every configuration ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_configs_bit_exact(name: str) -> None:
+    """Random and edge-case inputs of 2.4 spans (a short last span and a short last group),
+    every input dtype across the configurations, and hop contexts that move ``bits_k``."""
+    codec = get_codec(CONFIGS[name])
+    k = list(CONFIGS).index(name)
+    dtype = DTYPES[k % 3]
+    pair = CTX_PAIRS[k % 3]
+    n = 2 * codec.span + codec.span * 2 // 5 + 1
+    x = random_values(n, k).to(dtype).to(DEVICE)
+    edge = edge_values(n, codec.super_group if codec.super_group >= 16 else 64, k)
+    edge = edge.to(dtype).to(DEVICE)
+    check_all(codec, x, edge, pair, f"{name} {dtype} random")
+    check_all(codec, edge, x, CTX_PAIRS[(k + 1) % 3], f"{name} {dtype} edge")
+
+
+@pytest.mark.parametrize("n", [1, 7, 300, 1024, 1025])
+def test_remainders(n: int) -> None:
+    """Block remainders: 1 value, a short group, a short super-group, one span exactly, one
+    more than a span."""
+    codec = get_codec(CONFIGS["correlated_slope"])
+    dtype = DTYPES[n % 3]
+    x = random_values(n, n).to(dtype).to(DEVICE)
+    local = edge_values(n, 64, n).to(DTYPES[(n + 1) % 3]).to(DEVICE)
+    pair = CTX_PAIRS[1]
+    if n == 300:  # 32-bit hop counts (the correlated dither's strata)
+        pair = (
+            HopContext(seed=3, hop=2**32 - 3, num_hops=2**32 - 1, offset=2**40),
+            HopContext(seed=3, hop=2**32 - 2, num_hops=2**32 - 1, offset=2**40),
+        )
+    check_all(codec, x, local, pair, f"n={n} {dtype}")
+
+
+def test_empty_inputs_need_no_launch() -> None:
+    codec = get_codec(SMALL)
+    before = K.launch_counts()
+    payload = K.encode(codec, torch.zeros(0, device=DEVICE), backend="triton")
+    assert payload.numel() == 0
+    assert K.decode(codec, payload, 0, backend="triton").numel() == 0
+    assert K.reduce(codec, payload, torch.zeros(0, device=DEVICE), backend="triton").numel() == 0
+    assert K.launch_counts() == before
+
+
+@pytest.mark.parametrize("name", ["small", "correlated_slope"])
+def test_arbitrary_payloads(name: str) -> None:
+    """Random payload bytes (negative, NaN, Inf and subnormal scales, any group code, any
+    body) decode and reduce like the reference."""
+    codec = get_codec(CONFIGS[name])
+    g = torch.Generator().manual_seed(11)
+    ctx, out_ctx = CTX_PAIRS[1]
+    for n in (5, 2100):
+        payload = torch.randint(0, 256, (codec.encoded_nbytes(n, ctx),), generator=g)
+        payload = payload.to(torch.uint8).to(DEVICE)
+        got, want = both(K.decode, codec, payload, n, ctx)
+        assert_values_equal(got, want, f"decode {name} n={n}")
+        local = random_values(n, n).to(DEVICE)
+        got, want = both(K.reduce, codec, payload, local, ctx, out_ctx)
+        assert_bytes_equal(got, want, f"reduce {name} n={n}")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [SMALL, {**SMALL, "super_group": 1024, "rounding": "stochastic"}, CONFIGS["group3"]],
+    ids=["tiles_of_one_row", "chunked_super_groups", "group3_two_rows"],
+)
+def test_tile_boundaries(config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiles of 256 values: many tiles per span (the packer carries a byte across tiles),
+    super-groups cut into chunks (running absmax), tiles of several super-groups."""
+    monkeypatch.setattr(kdyn, "tile_elems", lambda device: 256)
+    codec = get_codec(config)
+    meta = kdyn._meta(codec, 1300, torch.device(DEVICE))
+    assert meta["BSG"] * meta["CG"] * meta["GP"] <= 256 < codec.span
+    x = random_values(1300, 3).to(DEVICE)
+    local = edge_values(1300, 64, 3).to(torch.bfloat16).to(DEVICE)
+    check_all(codec, x, local, CTX_PAIRS[2], f"{config}")
+    check_all(codec, local, x, CTX_PAIRS[1], f"{config} edge")
+
+
+# -- real gradients and the default configuration ---------------------------------------------
+
+
+def test_real_gradients_small_spans() -> None:
+    """Real partial sums: worker 0's gradient encoded, then worker 1's added (ring hop)."""
+    grads = load_slice()
+    codec = get_codec({**SMALL, "rounding": "correlated", "hop_slope": 1.0})
+    x = grads[0, 8192 - 1500 : 8192 + 1500].contiguous().to(DEVICE)
+    local = grads[1, 8192 - 1500 : 8192 + 1500].contiguous().to(torch.bfloat16).to(DEVICE)
+    check_all(codec, x, local, CTX_PAIRS[1], "real gradients")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_default_config_real_gradients(dtype: torch.dtype) -> None:
+    """The default codec (spans of 65536) on 1.5 spans of real gradients."""
+    grads = load_slice()
+    codec = get_codec("dynamiq")
+    x = grads[:3].reshape(-1).contiguous().to(DEVICE)
+    local = grads[3:6].reshape(-1).contiguous().to(dtype).to(DEVICE)
+    ctx = HopContext(seed=1, step=9, hop=0, num_hops=7, rank=3)
+    check_all(codec, x, local, (ctx, HopContext(seed=1, step=9, hop=1, num_hops=7, rank=4)), "")
+
+
+# -- the NaN/Inf policy, zeros, budgets -------------------------------------------------------
+
+
+def test_nonfinite_super_groups_decode_to_nan() -> None:
+    """A super-group holding NaN gets a NaN scale, one holding ±Inf (or a finite value above
+    bf16's largest) the scale Inf; both decode to NaN, the other super-groups do not."""
+    codec = get_codec(SMALL)
+    x = random_values(1024, 5)
+    x[10] = float("nan")
+    x[300] = float("inf")
+    x[600] = 3.39e38  # finite, but above bf16's largest (3.3895e38): its scale is Inf
+    got, want = both(K.encode, codec, x.to(DEVICE))
+    assert_bytes_equal(got, want, "encode")
+    scales = [s & 0xFFFF for s in got.cpu()[:8].view(torch.int16).tolist()]
+    assert scales[0] & 0x7FFF > 0x7F80 and scales[1:3] == [0x7F80, 0x7F80], scales
+    assert all(0 < s < 0x7F80 for s in scales[3:])
+    got_v, want_v = both(K.decode, codec, got, 1024, HopContext())
+    assert_values_equal(got_v, want_v, "decode")
+    assert bool(got_v[:768].isnan().all()) and bool(got_v[768:].isfinite().all())
+
+
+def test_zeros_and_empty_budget() -> None:
+    """All zeros: zero scales, codes 15, an all-zero body, exact zeros back. A hop whose
+    ``bits_k`` clamps to 0 has no body at all."""
+    codec = get_codec({**SMALL, "bits": 0.5, "hop_slope": 4.0})
+    ctx = HopContext(hop=0, num_hops=3)
+    assert codec._budget(1024, ctx) == 0
+    x = torch.zeros(1024, device=DEVICE)
+    got, want = both(K.encode, codec, x, HopContext())
+    assert_bytes_equal(got, want, "zeros")
+    header = 2 * 4 + 64 // 2  # 4 scales, 64 codes
+    assert not bool(got[:8].any()) and bool((got[8:header] == 0xFF).all())
+    assert not bool(got[header:].any())
+    assert bool((K.decode(codec, got, 1024, backend="triton") == 0).all())
+    y = random_values(1024, 1).to(DEVICE)
+    got, want = both(K.encode, codec, y, ctx)
+    assert_bytes_equal(got, want, "no body")
+    assert got.numel() == header
+    got_v, want_v = both(K.decode, codec, got, 1024, ctx)
+    assert_values_equal(got_v, want_v, "decode without body")
+    got_r, want_r = both(K.reduce, codec, got, y, ctx, HopContext(hop=2, num_hops=3))
+    assert_bytes_equal(got_r, want_r, "reduce into a body")
+
+
+# -- the dispatcher ---------------------------------------------------------------------------
+
+
+def test_dispatch_runs_the_dynamiq_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    codec = get_codec(SMALL)
+    assert K.has_kernels(codec, "encode") and K.has_kernels(codec, "reduce")
+    x = random_values(700, 2).to(DEVICE)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    before = K.launch_counts().get("_dq_encode_kernel", 0)
+    payload = codec.encode(x)  # "auto": the kernel on CUDA, and on the CPU when asked
+    assert K.last_backend() == "triton"
+    assert K.launch_counts()["_dq_encode_kernel"] == before + 1
+    assert_bytes_equal(payload, K.encode(codec, x, backend="reference"), "auto encode")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    if DEVICE == "cpu":
+        codec.encode(x)
+        assert K.last_backend() == "reference"  # the CPU without TRITON_INTERPRET
