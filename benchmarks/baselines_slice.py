@@ -5,7 +5,7 @@ real gradients (``dynamiq.data.load_slice()``, 8 workers × 32768 values).
     python benchmarks/baselines_slice.py --seeds 0 1 2 --json
 
 * one-shot vNMSE: ``Σ_w ‖x̂_w - x_w‖² / Σ_w ‖x_w‖²`` of each worker's gradient encoded and
-  decoded once, in the context of the collective (THC: the 8 workers' agreed scale; OmniReduce:
+  decoded once, in the context of the collective (THC: the 8 workers' agreed scales; OmniReduce:
   each worker's own selection rule), as the first hop of a ring does;
 * all-reduce vNMSE: ``‖x̂ - x‖² / ‖x‖²`` of ``simulate_allreduce`` over the 8 workers against
   the fp64 sum (median and max over the seeds), with its ``bits_per_value()`` (payloads, length
