@@ -39,14 +39,54 @@ errors of successive hops are stratified, so they partly cancel in the final sum
 partial sums are larger: ``bits_k = bits + hop_slope · (k - (H - 1)/2) / max(H - 1, 1)``, so
 the average over the hops stays ``bits`` (the wire size depends on ``ctx``, as allowed).
 
-Non-finite input: a super-group holding NaN or ±Inf gets a NaN scale and decodes to NaN.
+Non-finite input: a super-group holding NaN or ±Inf gets a NaN scale (written as the bf16
+pattern 0xFFFF, what torch's CPU conversion writes) and decodes to NaN.
+
+**How the reference computes it** (the wire format above does not depend on this). The full
+spans of a call are processed together as ``[spans, groups, group]`` tensors, in blocks of
+about :data:`_BLOCK` values (the last, shorter span on its own, zero-padded to whole
+super-groups), with one host read per block and no per-span loop:
+
+* scales: ``roundup_bf16`` in integer arithmetic (round to nearest even, then one step up if
+  that fell below), the codes ``e`` by comparing the 16 candidate group scales of each
+  super-group with each group's absmax;
+* the threshold ``tau`` of every span at once: a histogram of the span's group levels
+  ``L_g`` (weighted by group size) and its suffix sums give ``cost(tau) = Σ_w Σ_{L >=
+  ceil((tau - Q[w]) / 8)} size(L)`` for any ``tau``; the cost of every candidate between
+  ``min P`` and ``max P + 1`` is evaluated at once (a bisection of fixed length when there are
+  too many), and ``tau = min P + #{candidates over budget}`` since the cost only falls;
+* the level of a value without a mask per width: a ``1/1024``-wide cell of ``[-1, 1]`` and
+  the group's width index a table of the count of keys below the cell and of the next key
+  (no width has two keys within three cells), and one comparison finishes the count. Nearest
+  rounding counts precomputed round-up thresholds (the smallest fp32 value that the rounding
+  arithmetic, ``(y - lower) / gap > 0.5``, sends up to each level, found by bisection over
+  fp32 values: that arithmetic is monotone in ``y``), which is the code itself; stochastic
+  rounding counts the levels below ``y`` (``searchsorted``) and divides as the first version
+  did;
+* packing: the codes of a group all have the group's width, so with ``group % 8 == 0`` every
+  8 codes make exactly ``w`` whole bytes: one 64-bit word of shifted codes, whose bytes from
+  ``w`` on are zero, so all 8 are added in place with one ``scatter_add`` (the bits are
+  disjoint); unpacking reads the 8 bytes at each word's offset as one int64. Other group sizes
+  place each code in its (at most) two bytes.
+
+On the CPU fast path (``DYNAMIQ_CPU_COMPILE=1``, :mod:`dynamiq.kernels`) the block functions
+``_encode_rows``, ``_decode_rows`` and ``_reduce_rows`` are compiled by ``torch.compile``
+(once per codec and operation, the number of spans symbolic) and take all the full spans of
+a call at once: a few fused loops instead of a few hundred tensor operations per block.
+
+``tests/codecs/dynamiq_oracle.py`` keeps the first, span-by-span version; the tests check
+that both give the same bytes, values and bounds, for every knob.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -69,6 +109,16 @@ _PRIORITY = {k: _priority(k) for k in range(1, 5)}
 
 _MAX_W = 8
 _E_MAX = 15  # group codes are 4 bits
+#: values per block of spans processed together by the reference (bounds its memory)
+_BLOCK = 1 << 20
+#: most (spans x thresholds) whose water-filling cost is evaluated at once (else: bisection)
+_TAU_GRID = 1 << 16
+#: cells per unit of the level lookup (``[-1, 1]`` has ``2 * _CELLS`` of them)
+_CELLS = 1024
+#: row stride of the level table (the widest table, 2^8 levels, and a +inf sentinel)
+_ROW = (1 << _MAX_W) + 1
+#: little-endian machines read the bytes of a 64-bit word by a view, others by shifts
+_LITTLE = sys.byteorder == "little"
 
 
 def level_table(kind: str, width: int) -> torch.Tensor:
@@ -93,6 +143,109 @@ def _max_error_units(levels: torch.Tensor, stochastic: bool) -> float:
     ends = max(float(lv[0] + 1), float(1 - lv[-1]))
     inner = float(gaps.max()) if stochastic else float(gaps.max()) / 2
     return max(inner, ends)
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """The level tables of one configuration, laid out for batched lookups on one device.
+
+    ``levels``: rows of ``_ROW`` entries, one per width ``w`` (flattened), ``levels[w, i]``
+    level ``i`` (``levels[0, 0] = 0``, what width 0 decodes to). A value ``y`` in [-1, 1]
+    falls in cell ``c = floor((y + 1) · _CELLS)``; ``base[w, c]`` counts the keys of width
+    ``w`` below the cell, less a margin of one cell, and ``key[w, c]`` is the next key (+inf
+    if none): since no width has two keys within three cells, the count of keys below ``y``
+    is ``base + (key < y)`` (``<=`` for thresholds). Nearest rounding counts round-up
+    thresholds (the smallest fp32 ``y`` that rounds up to each level but the first, found by
+    bisection on the very fp32 arithmetic of rounding, which is monotone in ``y``): that is
+    the code. Stochastic rounding counts the levels below ``y`` (the upper neighbour), then
+    reads the neighbour below (``lower``) and the gap (``gap``) by the upper neighbour's
+    flat index ``w · _ROW + hi``. ``units[w]``: ``m_w`` of the error bound.
+    """
+
+    levels: torch.Tensor  # [9 * _ROW] fp32
+    base: torch.Tensor  # [9 * (2 * _CELLS + 1)] int32
+    key: torch.Tensor  # [9 * (2 * _CELLS + 1)] fp32
+    lower: torch.Tensor  # [9 * _ROW] fp32: lower[w, h] = levels[w, h - 1]
+    gap: torch.Tensor  # [9 * _ROW] fp32: gap[w, h] = levels[w, h] - levels[w, h - 1]
+    units: torch.Tensor  # [9] fp64
+
+
+def _float_key(f: torch.Tensor) -> torch.Tensor:
+    """fp32 values as int64 keys in the same order (both zeros: 0)."""
+    b = f.view(torch.int32).to(torch.int64)
+    return torch.where(b >= 0, b, -(b & 0x7FFFFFFF))
+
+
+def _key_float(k: torch.Tensor) -> torch.Tensor:
+    b = torch.where(k >= 0, k, (-k) | 0x80000000)
+    return (b - ((b >> 31) << 32)).to(torch.int32).view(torch.float32)
+
+
+def _round_up_points(lv: torch.Tensor) -> torch.Tensor:
+    """For each gap ``(lv[i - 1], lv[i]]`` of a level table, the smallest fp32 ``y`` that
+    nearest rounding sends up: ``fl(fl(y - lv[i - 1]) / fl(lv[i] - lv[i - 1])) > 0.5``."""
+    lo, hi = lv[:-1], lv[1:]
+    gap = hi - lo
+    a, b = _float_key(lo), _float_key(hi)  # not up at lo (0), up at hi (1): bisect (a, b]
+    while bool((b - a > 1).any()):
+        mid = (a + b) >> 1
+        up = (_key_float(mid) - lo) / gap > 0.5
+        a, b = torch.where(up, a, mid), torch.where(up, mid, b)
+    return _key_float(b)
+
+
+@functools.lru_cache(maxsize=32)
+def _tables(kind: str, stretched: bool, device: torch.device) -> _Tables:
+    n_cells = 2 * _CELLS + 1
+    levels = torch.full((_MAX_W + 1, _ROW), math.inf, dtype=torch.float32)
+    lower = torch.zeros((_MAX_W + 1, _ROW), dtype=torch.float32)
+    gap = torch.ones((_MAX_W + 1, _ROW), dtype=torch.float32)
+    base = torch.zeros((_MAX_W + 1, n_cells), dtype=torch.int32)
+    key = torch.full((_MAX_W + 1, n_cells), math.inf, dtype=torch.float32)
+    levels[0, 0] = 0.0
+    units = []
+    # every point a value in cell c can be, with a margin of one cell for the fp32 rounding
+    # of y + 1 (|error| <= 2^-23, far below a cell)
+    lo_edge = torch.arange(n_cells, dtype=torch.float64) / _CELLS - 1 - 1 / _CELLS
+    hi_edge = lo_edge + 3 / _CELLS
+    for w in range(_MAX_W + 1):
+        lv = level_table(kind, w)
+        if stretched and lv.numel():
+            lv = lv / lv.abs().max()
+        units.append(_max_error_units(lv, stretched))
+        if w == 0:
+            continue
+        n = lv.numel()
+        levels[w, :n] = lv
+        lower[w, 1:n] = lv[:-1]
+        gap[w, 1:n] = lv[1:] - lv[:-1]
+        keys = lv if stretched else _round_up_points(lv)
+        kd = keys.double()
+        # keys below the cell (levels: <, thresholds: <=; the margin makes both the same)
+        first = torch.searchsorted(kd, lo_edge)
+        if bool((torch.searchsorted(kd, hi_edge) - first > 1).any()):  # pragma: no cover
+            raise AssertionError(f"level table {kind!r} width {w} has two keys in one cell")
+        base[w] = first.to(torch.int32)
+        padded = torch.cat([keys, torch.full((1,), math.inf)])
+        key[w] = padded[first]
+    return _Tables(
+        levels=levels.reshape(-1).to(device),
+        base=base.reshape(-1).to(device),
+        key=key.reshape(-1).to(device),
+        lower=lower.reshape(-1).to(device),
+        gap=gap.reshape(-1).to(device),
+        units=torch.tensor(units, dtype=torch.float64, device=device),
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _priority_tables(k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Q`` (int64 [8]) and ``count[i] = #{w: Q[w] >= min(Q) + i}`` for ``i`` in
+    ``0 .. max(Q) - min(Q) + 1`` (the width of a group whose next bit would be worth less)."""
+    q = _PRIORITY[k]
+    lo, hi = min(q), max(q)
+    count = [sum(qw >= lo + i for qw in q) for i in range(hi - lo + 2)]
+    return torch.tensor(q, device=device), torch.tensor(count, device=device)
 
 
 @register_codec
@@ -158,6 +311,9 @@ class DynamiqCodec(Codec):
             lv = lv / lv.abs().max()
         return lv
 
+    def _tables(self, device: torch.device) -> _Tables:
+        return _tables(self.levels, self.rounding != "nearest", device)
+
     @property
     def max_input_abs(self) -> float:
         return 2.0**127
@@ -173,10 +329,13 @@ class DynamiqCodec(Codec):
     def _budget(self, length: int, ctx: HopContext | None) -> int:
         return math.floor(self._bits_at(ctx) * length)
 
+    def _header_bytes(self, length: int) -> tuple[int, int]:
+        """(bytes of the super-group scales, bytes of the group codes) of a span."""
+        return 2 * -(-length // self.super_group), (-(-length // self.group) * 4 + 7) // 8
+
     def _span_bytes(self, length: int, ctx: HopContext | None) -> int:
-        n_sg = -(-length // self.super_group)
-        n_g = -(-length // self.group)
-        return 2 * n_sg + (n_g * 4 + 7) // 8 + (self._budget(length, ctx) + 7) // 8
+        sb, eb = self._header_bytes(length)
+        return sb + eb + (self._budget(length, ctx) + 7) // 8
 
     def encoded_nbytes(self, numel: int, ctx: HopContext | None = None) -> int:
         full, rest = divmod(numel, self.span)
@@ -184,86 +343,160 @@ class DynamiqCodec(Codec):
             self._span_bytes(rest, ctx) if rest else 0
         )
 
+    def _blocks(self, numel: int, compiled_op: str | None = None) -> list[tuple[int, int, int]]:
+        """``(first span, spans, length)`` of each block processed together: runs of full
+        spans of about :data:`_BLOCK` values, then the short last span on its own. A compiled
+        operation (unless its compilation failed) takes all the full spans at once: few,
+        large parallel loops."""
+        full, rest = divmod(numel, self.span)
+        whole = compiled_op is not None and _COMPILED.get((self, compiled_op), True) is not None
+        per = max(1, full if whole else _BLOCK // self.span)
+        out = [(a, min(per, full - a), self.span) for a in range(0, full, per)]
+        if rest:
+            out.append((full, 1, rest))
+        return out
+
+    def _padded(self, length: int) -> int:
+        """A span's length padded to whole super-groups (the length of a block's rows)."""
+        return -(-length // self.super_group) * self.super_group
+
     # -- statistics -----------------------------------------------------------------------
 
-    def _scales(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(super-group scales S [n_sg], group codes e [n_g], group absmax [n_g]) of one span."""
-        n = x.numel()
-        g, sg = self.group, self.super_group
-        n_g = -(-n // g)
-        pad = torch.zeros(n_g * g, dtype=torch.float32, device=x.device)
-        pad[:n] = x
-        a_g = pad.view(n_g, g).abs().amax(dim=1)
-        per_sg = sg // g
-        n_sg = -(-n_g // per_sg)
-        a_pad = torch.zeros(n_sg * per_sg, dtype=torch.float32, device=x.device)
-        a_pad[:n_g] = a_g
-        a_sg = a_pad.view(n_sg, per_sg).amax(dim=1)
-        s = a_sg.to(torch.bfloat16)
-        s = torch.where(s.float() < a_sg, (s.view(torch.int16) + 1).view(torch.bfloat16), s)
-        s_sg = s.float()
-        s_of_g = s_sg.repeat_interleave(per_sg)[:n_g]
+    def _stats(self, x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(super-group scales S [m, n_sg], group codes e [m, n_g], group absmax [m, n_g]) of
+        ``m`` spans given as ``[m, n_g, group]`` fp32 values (zero-padded to super-groups)."""
+        a_g = x3.abs().amax(dim=2)
+        s_sg, e = self._scale_codes(a_g)
+        return s_sg, e, a_g
+
+    def _scale_codes(self, a_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S [m, n_sg], e [m, n_g]) from the group absmax ``[m, n_g]``."""
+        m, n_g = a_g.shape
+        per_sg = self.super_group // self.group
+        a_sg = a_g.view(m, n_g // per_sg, per_sg).amax(dim=2)
+        s_sg = _bf16_round_up(a_sg)
         # e: the largest code in 0..15 whose group scale s(S, e) is still >= a_g; s is
         # evaluated exactly as the decoder will, so s >= a_g holds for the chosen e
-        cand = self._group_scale(s_of_g.unsqueeze(1), torch.arange(_E_MAX + 1, device=x.device))
-        ok = cand >= a_g.unsqueeze(1)
-        e = (ok.to(torch.int64) * torch.arange(1, _E_MAX + 2, device=x.device)).amax(dim=1) - 1
+        codes = torch.arange(_E_MAX + 1, device=a_g.device)
+        cand = self._group_scale(s_sg.unsqueeze(2), codes)  # [m, n_sg, 16]
+        ok = cand.unsqueeze(2) >= a_g.view(m, n_g // per_sg, per_sg, 1)
+        rank = torch.arange(1, _E_MAX + 2, dtype=torch.int32, device=a_g.device)
+        e = (ok.to(torch.int32) * rank).amax(dim=3).view(m, n_g).to(torch.int64) - 1
         e = torch.where(a_g == 0, _E_MAX, e.clamp(0, _E_MAX))
-        return s_sg, e, a_g
+        return s_sg, e
+
+    def _per_group(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-super-group ``[m, n_sg]`` tensor repeated for each of its groups."""
+        per_sg = self.super_group // self.group
+        m, n_sg = t.shape
+        return t.unsqueeze(2).expand(m, n_sg, per_sg).reshape(m, n_sg * per_sg)
+
+    def _scales(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(super-group scales S [n_sg], group codes e [n_g], group absmax [n_g]) of one span
+        of 1-D values."""
+        n = x.numel()
+        n_g = -(-n // self.group)
+        xp = torch.zeros(self._padded(n), dtype=torch.float32, device=x.device)
+        xp[:n] = x
+        s_sg, e, a_g = self._stats(xp.view(1, -1, self.group))
+        return s_sg[0], e[0, :n_g], a_g[0, :n_g]
 
     def _group_scale(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """``fl32(S · 2^(-(e mod k)/k)) · 2^-(e div k)`` with ``k = scale_steps`` (fp32)."""
         k = self.scale_steps
-        steps = torch.tensor(
-            [2.0 ** (-j / k) for j in range(k)], dtype=torch.float32, device=s.device
-        )
-        return torch.ldexp(s * steps[e % k], -(e // k))
+        codes = range(_E_MAX + 1)
+        steps = torch.tensor([2.0 ** (-(c % k) / k) for c in codes], dtype=torch.float32)
+        # times an exact power of two: one rounding, as torch.ldexp
+        powers = torch.tensor([2.0 ** -(c // k) for c in codes], dtype=torch.float32)
+        return (s * _take(steps.to(s.device), e)) * _take(powers.to(s.device), e)
 
     def _widths(
         self, s_sg: torch.Tensor, e: torch.Tensor, length: int, budget: int
     ) -> torch.Tensor:
-        """Bits per element of each group, from integer scale codes only (both sides)."""
-        g = self.group
+        """Bits per element of each group of one span (1-D scales and codes)."""
         n_g = e.numel()
-        sizes = torch.full((n_g,), g, dtype=torch.int64, device=e.device)
-        if n_g:
-            sizes[-1] = length - g * (n_g - 1)
-        per_sg = self.super_group // g
-        es = exponent_of(s_sg).repeat_interleave(per_sg)[:n_g]
-        k = self.scale_steps
-        level = k * es - e  # log2 of the group scale, in units of 1/k bit (integer)
-        live = (s_sg.repeat_interleave(per_sg)[:n_g] > 0) & (e < _E_MAX + 1)
+        n_gp = self._padded(length) // self.group
+        ep = torch.full((1, n_gp), _E_MAX, dtype=torch.int64, device=e.device)
+        ep[0, :n_g] = e
+        return self._widths_rows(s_sg.unsqueeze(0), ep, length, budget)[0, :n_g]
+
+    def _widths_rows(
+        self, s_sg: torch.Tensor, e: torch.Tensor, length: int, budget: int
+    ) -> torch.Tensor:
+        """Bits per element of each group ``[m, n_g]`` of ``m`` spans of ``length`` values,
+        from integer scale codes only (both sides): ``s_sg`` ``[m, n_sg]`` (non-finite scales
+        already zeroed), ``e`` ``[m, n_g]`` (groups past ``length`` are padding: width 0)."""
+        m, n_gp = e.shape
+        g, k, dev = self.group, self.scale_steps, e.device
+        start = torch.arange(n_gp, device=dev) * g
+        sizes = (length - start).clamp(0, g)  # elements of each group (0: padding)
+        level = k * self._per_group(exponent_of(s_sg)) - e  # log2 of s_g in 1/k bits
+        live = (self._per_group(s_sg) > 0) & (sizes > 0)
         if not self.pooled:
             # ablation: every group gets the same width (no variable bit-width)
             flat = min(_MAX_W, budget // max(length, 1))
             return torch.where(live, flat, 0).to(torch.int64)
-        if not bool(live.any()):
-            return torch.zeros(n_g, dtype=torch.int64, device=e.device)
         # reverse water-filling by marginal gain: the next bit of group g at width w is worth
         # s_g^2 (D(w) - D(w + 1)), D the fitted tables' distortion; in integers, 4k log2 of it:
         # P[g, w] = 8 L_g + Q[w], decreasing in w; widths are the counts of P >= tau for the
-        # smallest tau that fits the budget
-        q = torch.tensor(_PRIORITY[k], dtype=torch.int64, device=e.device)
-        prio = torch.where(live.unsqueeze(1), 8 * level.unsqueeze(1) + q, -(1 << 40))
+        # smallest tau that fits the budget (tau in [min P, max P + 1] over live groups)
+        q_list = _PRIORITY[k]
+        q, count = _priority_tables(k, dev)
+        big = 1 << 20
+        any_live = live.any(dim=1)
+        l_min = torch.where(live, level, big).amin(dim=1)
+        l_max = torch.where(live, level, -big).amax(dim=1)
+        l_min = torch.where(any_live, l_min, 0)
+        l_max = torch.where(any_live, l_max, 0)
+        # histogram of the live groups' levels (weighted by size), relative to the span's
+        # lowest level, and its suffix sums: suf[j] = elements of the groups with L >= l_min+j
+        n_bins = self._n_bins(l_max - l_min)
+        rel = torch.where(live, level - l_min.unsqueeze(1), n_bins)
+        hist = torch.zeros(m, n_bins + 1, dtype=torch.int64, device=dev)
+        hist.scatter_add_(1, rel, torch.where(live, sizes, 0))
+        suf = hist.flip(1).cumsum(1).flip(1)  # suf[:, n_bins] = 0 (padding weighs 0)
+        # the smallest tau in [lo, hi] with cost <= budget, for all spans at once; a group of
+        # level L takes its bit w at tau iff L >= ceil((tau - Q[w]) / 8)
+        q_lo, q_hi = min(q_list), max(q_list)
+        lo = 8 * l_min + q_lo
+        hi = 8 * l_max + q_hi + 1  # cost(hi) = 0 <= budget
+        n_tau = 8 * (n_bins - 1) + q_hi - q_lo + 2  # > hi - lo for every span
 
-        def cost(tau: int) -> int:
-            return int(((prio >= tau).sum(dim=1) * sizes).sum())
+        def cost(tau: torch.Tensor) -> torch.Tensor:  # [m, t] thresholds -> [m, t] bits
+            j = ((tau.unsqueeze(2) - q + 7) >> 3) - l_min.view(m, 1, 1)
+            return torch.gather(suf, 1, j.clamp(0, n_bins).view(m, -1)).view(j.shape).sum(2)
 
-        lo, hi = int(prio[live].min()), int(prio[live].max()) + 1  # cost(hi) = 0 <= budget
-        while lo < hi:  # smallest tau with cost(tau) <= budget
-            mid = (lo + hi) // 2
-            if cost(mid) <= budget:
-                hi = mid
-            else:
-                lo = mid + 1
-        tau = lo
-        w = (prio >= tau).sum(dim=1)
+        if m * n_tau <= _TAU_GRID:
+            # every candidate: cost is non-increasing, so tau = lo + #{cost > budget}
+            grid = lo.unsqueeze(1) + torch.arange(n_tau, device=dev)
+            tau = lo + (cost(grid) > budget).sum(dim=1)
+        else:
+            # bisection, a fixed number of steps
+            for _ in range(n_tau.bit_length()):
+                mid = (lo + hi) >> 1  # floor((lo + hi) / 2)
+                fits = cost(mid.unsqueeze(1)).squeeze(1) <= budget
+                hi = torch.where(fits, mid, hi)
+                lo = torch.where(fits, lo, mid + 1)
+            tau = lo
+        tau = tau.unsqueeze(1)
+        # widths: how many Q[w] >= tau - 8 L (a table over the range of Q)
+        prio0 = 8 * level
+        w = _take(count, (tau - prio0 - q_lo).clamp(0, q_hi - q_lo + 1))
+        w = torch.where(live, w, 0)
         # leftover bits: raise the groups whose next bit is worth tau - 1, in index order
-        left = budget - int((w * sizes).sum())
-        nxt = torch.gather(prio, 1, w.clamp(max=_MAX_W - 1).unsqueeze(1)).squeeze(1)
-        rising = (w < _MAX_W) & (nxt == tau - 1)
-        cum = torch.cumsum(torch.where(rising, sizes, 0), dim=0)
+        left = budget - (w * sizes).sum(dim=1, keepdim=True)
+        nxt = prio0 + _take(q, w.clamp(max=_MAX_W - 1))
+        rising = live & (w < _MAX_W) & (nxt == tau - 1)
+        cum = torch.cumsum(torch.where(rising, sizes, 0), dim=1)
         return w + (rising & (cum <= left)).to(torch.int64)
+
+    def _n_bins(self, level_range: torch.Tensor) -> int:
+        """Histogram bins for the spans' ranges of group levels: the largest range present
+        (one host read), or, while ``torch.compile`` traces, the largest possible (a bf16
+        scale's exponent is in -133..127, a code in 0..15)."""
+        if torch.compiler.is_compiling() or level_range.numel() == 0:
+            return self.scale_steps * 260 + _E_MAX + 1
+        return int(level_range.max()) + 1
 
     # -- encode / decode ----------------------------------------------------------------
 
@@ -278,97 +511,186 @@ class DynamiqCodec(Codec):
         stratum = (shift + ctx.hop) % h
         return (stratum.to(torch.float32) + v) / h
 
-    def _encode(self, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
-        xf = x.float()
-        out = []
-        for a in range(0, xf.numel(), self.span):
-            out.append(self._encode_span(xf[a : a + self.span], ctx, ctx.offset + a))
-        if not out:
-            return torch.empty(0, dtype=torch.uint8, device=x.device)
-        return torch.cat(out)
+    def _dither(
+        self, ctx: HopContext, first: int, m: int, length: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """The dither ``[m, n_g, group]`` of spans ``first .. first + m`` (``None`` for
+        nearest rounding); the padding of a short span gets values too (unused)."""
+        if self.rounding == "nearest":
+            return None
+        n = m * self._padded(length)
+        idx = torch.arange(n, device=device, dtype=torch.int64) + ctx.offset + first * self.span
+        return self._span_ctx_u(idx, ctx).view(m, -1, self.group)
 
-    def _encode_span(self, x: torch.Tensor, ctx: HopContext, offset: int) -> torch.Tensor:
-        n = x.numel()
-        s_sg, e, _ = self._scales(x)
-        finite_sg = torch.isfinite(s_sg)
-        budget = self._budget(n, ctx)
-        w = self._widths(torch.where(finite_sg, s_sg, 0.0), e, n, budget)
-        g, per_sg = self.group, self.super_group // self.group
-        s_g = self._group_scale(s_sg.repeat_interleave(per_sg)[: e.numel()], e)
-        s_el = s_g.repeat_interleave(g)[:n]
-        w_el = w.repeat_interleave(g)[:n]
-        safe = torch.where((s_el > 0) & torch.isfinite(s_el), s_el, 1.0)
-        y = torch.where(s_el > 0, x / safe, 0.0).clamp(-1, 1)
-        idx = torch.arange(n, device=x.device, dtype=torch.int64) + offset
-        u = None if self.rounding == "nearest" else self._span_ctx_u(idx, ctx)
-        code = torch.zeros(n, dtype=torch.int64, device=x.device)
-        for width in range(1, _MAX_W + 1):
-            m = w_el == width
-            if bool(m.any()):
-                code[m] = _quantize(
-                    y[m], self._levels(width).to(x.device), None if u is None else u[m]
-                )
-        header = torch.cat(
-            [
-                s_sg.to(torch.bfloat16).view(torch.uint8),
-                _pack4(e),
-            ]
-        )
-        body = _pack_varwidth(code, w_el, budget)
-        return torch.cat([header, body])
+    def _rows(self, x: torch.Tensor, first: int, m: int, length: int) -> torch.Tensor:
+        """Spans ``first .. first + m`` of the 1-D ``x`` as fp32 ``[m, n_g, group]``
+        (the short last span zero-padded to whole super-groups)."""
+        a = first * self.span
+        if length == self.span:
+            return x[a : a + m * length].view(m, -1, self.group).float()
+        xp = torch.zeros(self._padded(length), dtype=torch.float32, device=x.device)
+        xp[:length] = x[a : a + length]
+        return xp.view(1, -1, self.group)
 
-    def _decode(self, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
-        out = torch.empty(numel, dtype=torch.float32, device=payload.device)
-        pos = 0
-        for a in range(0, numel, self.span):
-            n = min(self.span, numel - a)
-            size = self._span_bytes(n, ctx)
-            out[a : a + n] = self._decode_span(payload[pos : pos + size], n, ctx)
-            pos += size
+    def _run(self, op: str, compiled: bool, length: int) -> Callable[..., torch.Tensor]:
+        """The block function ``_{op}_rows``; compiled when asked, for blocks of full spans
+        (the short last span runs plain: one shape fewer to compile)."""
+        fn = getattr(self, f"_{op}_rows")
+        if not compiled or length != self.span:
+            return fn
+        return functools.partial(_run_compiled, self, op)
+
+    def _encode(self, x: torch.Tensor, ctx: HopContext, *, compiled: bool = False) -> torch.Tensor:
+        out = torch.empty(self.encoded_nbytes(x.numel(), ctx), dtype=torch.uint8, device=x.device)
+        tables = self._tables(x.device)
+        for first, m, length in self._blocks(x.numel(), "encode" if compiled else None):
+            pos = first * self._span_bytes(self.span, ctx)
+            size = m * self._span_bytes(length, ctx)
+            rows = self._run("encode", compiled, length)(
+                self._rows(x, first, m, length),
+                length,
+                self._budget(length, ctx),
+                tables,
+                self._dither(ctx, first, m, length, x.device),
+            )
+            out[pos : pos + size] = rows.view(-1)
         return out
 
-    def _decode_span(self, p: torch.Tensor, n: int, ctx: HopContext) -> torch.Tensor:
-        g, per_sg = self.group, self.super_group // self.group
-        n_sg, n_g = -(-n // self.super_group), -(-n // g)
-        s_sg = p[: 2 * n_sg].clone().view(torch.bfloat16).float()
-        e = _unpack4(p[2 * n_sg : 2 * n_sg + (n_g * 4 + 7) // 8], n_g)
-        budget = self._budget(n, ctx)
-        finite_sg = torch.isfinite(s_sg)
-        w = self._widths(torch.where(finite_sg, s_sg, 0.0), e, n, budget)
-        w_el = w.repeat_interleave(g)[:n]
-        code = _unpack_varwidth(p[2 * n_sg + (n_g * 4 + 7) // 8 :], w_el)
-        s_g = self._group_scale(s_sg.repeat_interleave(per_sg)[:n_g], e)
-        s_el = s_g.repeat_interleave(g)[:n]
-        val = torch.zeros(n, dtype=torch.float32, device=p.device)
-        for width in range(1, _MAX_W + 1):
-            m = w_el == width
-            if bool(m.any()):
-                val[m] = self._levels(width).to(p.device)[code[m]]
-        return val * s_el
+    def _encode_rows(
+        self,
+        x3: torch.Tensor,
+        length: int,
+        budget: int,
+        tables: _Tables,
+        u: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The wire bytes ``[m, span bytes]`` of ``m`` spans ``[m, n_g, group]`` (fp32) of
+        ``length`` values each (padding zero), a ``budget`` bits container each; ``u``: the
+        dither (``None``: nearest)."""
+        m, _, g = x3.shape
+        n_g = -(-length // g)
+        s_sg, e = self._scale_codes(x3.abs().amax(dim=2))
+        w = self._widths_rows(torch.where(torch.isfinite(s_sg), s_sg, 0.0), e, length, budget)
+        s3 = self._group_scale(self._per_group(s_sg), e).unsqueeze(2)
+        safe = torch.where((s3 > 0) & torch.isfinite(s3), s3, 1.0)
+        y = torch.where(s3 > 0, x3 / safe, 0.0).clamp(-1, 1)
+        code = _quantize(y, w, tables, u)
+        if length % g:  # the padding of the short last group packs as zeros
+            code[:, n_g - 1, length - (n_g - 1) * g :] = 0
+        sb, eb = self._header_bytes(length)
+        nbytes = (budget + 7) // 8
+        bits16 = (s_sg.view(torch.int32) >> 16) & 0xFFFF  # the bf16 bit patterns
+        header = torch.stack([bits16 & 255, bits16 >> 8], dim=2).view(m, sb)
+        return torch.cat(
+            [header.to(torch.uint8), _pack4(e[:, :n_g], eb), _pack_codes(code, w, nbytes)],
+            dim=1,
+        )
+
+    def _decode(
+        self, payload: torch.Tensor, numel: int, ctx: HopContext, *, compiled: bool = False
+    ) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+        tables = self._tables(payload.device)
+        for first, m, length in self._blocks(numel, "decode" if compiled else None):
+            pos = first * self._span_bytes(self.span, ctx)
+            size = m * self._span_bytes(length, ctx)
+            vals = self._run("decode", compiled, length)(
+                payload[pos : pos + size].view(m, -1), length, self._budget(length, ctx), tables
+            )
+            a = first * self.span
+            out[a : a + m * length] = vals.view(m, -1)[:, :length].reshape(-1)
+        return out
+
+    def _decode_rows(
+        self, p2: torch.Tensor, length: int, budget: int, tables: _Tables
+    ) -> torch.Tensor:
+        """Values ``[m, n_g, group]`` (fp32; padding included) of ``m`` spans of ``length``
+        values from their wire bytes ``[m, span bytes]`` (containers of ``budget`` bits)."""
+        m = p2.shape[0]
+        g = self.group
+        n_g = -(-length // g)
+        n_gp = self._padded(length) // g
+        sb, eb = self._header_bytes(length)
+        raw = p2[:, :sb].to(torch.int64)
+        s_sg = _bf16_value(raw[:, 0::2] | (raw[:, 1::2] << 8))
+        e = _unpack4(p2[:, sb : sb + eb], n_g)
+        if n_g < n_gp:
+            e = torch.cat([e, torch.full((m, n_gp - n_g), _E_MAX, device=p2.device)], dim=1)
+        w = self._widths_rows(torch.where(torch.isfinite(s_sg), s_sg, 0.0), e, length, budget)
+        s3 = self._group_scale(self._per_group(s_sg), e).unsqueeze(2)
+        code = _unpack_codes(p2[:, sb + eb :], w, g)
+        # width 0: code 0, row 0, level 0
+        return _take(tables.levels, code + (w * _ROW).unsqueeze(2)) * s3
+
+    def _reduce(
+        self,
+        payload: torch.Tensor,
+        local: torch.Tensor,
+        ctx: HopContext,
+        out_ctx: HopContext,
+        *,
+        compiled: bool = False,
+    ) -> torch.Tensor:
+        numel = local.numel()
+        dev = local.device
+        out = torch.empty(self.encoded_nbytes(numel, out_ctx), dtype=torch.uint8, device=dev)
+        tables = self._tables(dev)
+        for first, m, length in self._blocks(numel, "reduce" if compiled else None):
+            pos_in = first * self._span_bytes(self.span, ctx)
+            pos = first * self._span_bytes(self.span, out_ctx)
+            size = m * self._span_bytes(length, out_ctx)
+            rows = self._run("reduce", compiled, length)(
+                payload[pos_in : pos_in + m * self._span_bytes(length, ctx)].view(m, -1),
+                self._rows(local, first, m, length),
+                length,
+                self._budget(length, ctx),
+                self._budget(length, out_ctx),
+                tables,
+                self._dither(out_ctx, first, m, length, dev),
+            )
+            out[pos : pos + size] = rows.view(-1)
+        return out
+
+    def _reduce_rows(
+        self,
+        p2: torch.Tensor,
+        local3: torch.Tensor,
+        length: int,
+        budget_in: int,
+        budget_out: int,
+        tables: _Tables,
+        u: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``_encode_rows(_decode_rows(p2) + local3)`` for ``m`` spans (``local3`` fp32,
+        padding zero)."""
+        x3 = self._decode_rows(p2, length, budget_in, tables) + local3
+        if length < x3.shape[1] * self.group:  # keep the padding zero
+            x3.view(-1)[length:] = 0.0
+        return self._encode_rows(x3, length, budget_out, tables, u)
 
     # -- error bound --------------------------------------------------------------------
 
     @property
     def error_bound(self) -> ErrorBound:
         stochastic = self.rounding != "nearest"
-        units = [_max_error_units(self._levels(w), stochastic) for w in range(_MAX_W + 1)]
-        g, per_sg = self.group, self.super_group // self.group
+        g = self.group
 
         def max_abs(x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
             xf = x.float()
+            units = self._tables(x.device).units
             out = torch.empty(xf.numel(), dtype=torch.float64, device=x.device)
-            for a in range(0, xf.numel(), self.span):
-                xs = xf[a : a + self.span]
-                n = xs.numel()
-                s_sg, e, a_g = self._scales(xs)
-                w = self._widths(
-                    torch.where(torch.isfinite(s_sg), s_sg, 0.0), e, n, self._budget(n, ctx)
-                )
-                s_g = self._group_scale(s_sg.repeat_interleave(per_sg)[: e.numel()], e).double()
-                unit = torch.tensor(units, dtype=torch.float64, device=x.device)[w]
-                b = torch.where(w == 0, a_g.double(), s_g * (unit + 2.0**-22))
+            for first, m, length in self._blocks(xf.numel()):
+                x3 = self._rows(xf, first, m, length)
+                s_sg, e, a_g = self._stats(x3)
+                budget = self._budget(length, ctx)
+                s_fin = torch.where(torch.isfinite(s_sg), s_sg, 0.0)
+                w = self._widths_rows(s_fin, e, length, budget)
+                s_g = self._group_scale(self._per_group(s_sg), e).double()
+                b = torch.where(w == 0, a_g.double(), s_g * (units[w] + 2.0**-22))
                 b = torch.where(torch.isfinite(b), b, torch.inf)
-                out[a : a + n] = b.repeat_interleave(g)[:n]
+                vals = b.unsqueeze(2).expand(m, b.shape[1], g).reshape(m, -1)[:, :length]
+                a = first * self.span
+                out[a : a + m * length] = vals.reshape(-1)
             return out
 
         def witness(numel: int) -> torch.Tensor:
@@ -392,55 +714,175 @@ class DynamiqCodec(Codec):
         )
 
 
-def _quantize(y: torch.Tensor, levels: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
-    """Index of the level for each y in [-1, 1]: nearest (ties to the lower level), or
-    between the two neighbours with probability proportional to closeness (``u`` uniform)."""
-    n = levels.numel()
-    hi = torch.searchsorted(levels, y.contiguous()).clamp(1, n - 1)
-    lo = hi - 1
-    l_lo, l_hi = levels[lo], levels[hi]
-    span = l_hi - l_lo
-    frac = ((y - l_lo) / span).clamp(0, 1)
-    up = frac > 0.5 if u is None else u < frac
-    return torch.where(up, hi, lo)
+def _bf16_value(bits: torch.Tensor) -> torch.Tensor:
+    """bf16 bit patterns (int64 in 0..0xFFFF) as fp32 values (exact)."""
+    v = bits << 16
+    return (v - ((v >> 31) << 32)).to(torch.int32).view(torch.float32)
 
 
-def _pack4(e: torch.Tensor) -> torch.Tensor:
-    n = e.numel()
-    pad = torch.zeros(n + (n & 1), dtype=torch.int64, device=e.device)
-    pad[:n] = e
-    pair = pad.view(-1, 2)
-    return (pair[:, 0] | (pair[:, 1] << 4)).to(torch.uint8)
+def _bf16_round_up(a: torch.Tensor) -> torch.Tensor:
+    """``roundup_bf16`` of fp32 values >= 0 (or NaN), as fp32: the smallest bf16 >= ``a``
+    (torch's round-to-nearest-even conversion, one step up if that fell below ``a``), in
+    integer arithmetic: the fp32 bits rounded up to a multiple of 2^16. NaN gives the pattern
+    0xFFFF (what torch's CPU conversion writes)."""
+    b = a.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return _bf16_value(torch.where(torch.isnan(a), 0xFFFF, (b + 0xFFFF) >> 16))
+
+
+#: compiled block functions per (codec, op); None: the compiler failed, use the plain one
+_COMPILED: dict[tuple[Any, str], Callable[..., torch.Tensor] | None] = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def _run_compiled(codec: DynamiqCodec, op: str, *args: Any) -> torch.Tensor:
+    """``codec._{op}_rows(*args)`` through ``torch.compile`` (compiled once per codec and
+    operation, lazily; a failing compilation falls back to the plain function for good)."""
+    eager = getattr(codec, f"_{op}_rows")
+    key = (codec, op)
+    with _COMPILED_LOCK:
+        fn = _COMPILED.get(key, eager)
+    if fn is None:
+        return eager(*args)
+    try:
+        if fn is eager:
+            fn = torch.compile(eager, dynamic=None)
+            with _COMPILED_LOCK:
+                _COMPILED[key] = fn
+        # one compilation for any number of spans: only the row count is symbolic
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] >= 2:
+                torch._dynamo.mark_dynamic(a, 0)
+        return fn(*args)
+    except Exception:
+        # the block functions raise nothing on validated input: this was the compiler
+        with _COMPILED_LOCK:
+            _COMPILED[key] = None
+        return eager(*args)
+
+
+def _take(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for a 1-D table (``index_select``: the fastest gather on the CPU)."""
+    return table.index_select(0, index.reshape(-1)).view(index.shape)
+
+
+def _quantize(
+    y: torch.Tensor, w: torch.Tensor, tables: _Tables, u: torch.Tensor | None
+) -> torch.Tensor:
+    """Level index (int32) of each ``y`` ``[m, n_g, group]`` in [-1, 1] in the table of its
+    group's width ``w`` ``[m, n_g]`` (width 0: meaningless): nearest (ties to the lower
+    level), or between the two neighbours with probability proportional to closeness
+    (``u`` uniform). The same fp32 arithmetic as ``searchsorted`` on the width's table, then
+    ``frac = (y - lower) / gap``, up if ``frac > 0.5`` (nearest) or ``u < frac``."""
+    wq = w.clamp(min=1).to(torch.int32).unsqueeze(2)
+    cell = ((y + 1.0) * _CELLS).to(torch.int32) + wq * (2 * _CELLS + 1)  # floor: y + 1 >= 0
+    base = _take(tables.base, cell)
+    key = _take(tables.key, cell)
+    if u is None:
+        return base + (key <= y)  # the round-up thresholds <= y
+    # the levels < y (searchsorted), then the upper neighbour hi in 1 .. 2^w - 1
+    row = wq * _ROW
+    hi = row + torch.minimum((base + (key < y)).clamp(min=1), (1 << wq) - 1)
+    # frac is in [0, 1] (the stretched tables end at ±1), so u < frac needs no clamp
+    frac = (y - _take(tables.lower, hi)) / _take(tables.gap, hi)
+    return hi - row - 1 + (u < frac)
+
+
+def _pack4(e: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """4-bit codes ``[m, n]`` two to a byte (low nibble first) ``[m, nbytes]``."""
+    m, n = e.shape
+    pad = torch.zeros(m, 2 * nbytes, dtype=torch.int64, device=e.device)
+    pad[:, :n] = e
+    return (pad[:, 0::2] | (pad[:, 1::2] << 4)).to(torch.uint8)
 
 
 def _unpack4(p: torch.Tensor, n: int) -> torch.Tensor:
     b = p.to(torch.int64)
-    return torch.stack([b & 15, b >> 4], dim=1).reshape(-1)[:n]
+    return torch.stack([b & 15, b >> 4], dim=2).reshape(p.shape[0], -1)[:, :n]
 
 
-def _pack_varwidth(code: torch.Tensor, width: torch.Tensor, budget: int) -> torch.Tensor:
-    """Codes of varying widths back to back (LSB first) in a container of ``budget`` bits."""
-    nbytes = (budget + 7) // 8
-    if code.numel() == 0:
-        return torch.zeros(nbytes, dtype=torch.uint8, device=code.device)
-    start = torch.cumsum(width, 0) - width
-    j = torch.arange(_MAX_W, device=code.device)
-    valid = j.unsqueeze(0) < width.unsqueeze(1)
-    pos = (start.unsqueeze(1) + j.unsqueeze(0))[valid]
-    bit = ((code.unsqueeze(1) >> j.unsqueeze(0)) & 1)[valid]
-    bits = torch.zeros(nbytes * 8, dtype=torch.int64, device=code.device)
-    bits[pos] = bit
-    weights = 1 << torch.arange(8, device=code.device)
-    return (bits.view(-1, 8) * weights).sum(dim=1).to(torch.uint8)
+def _pack_codes(code: torch.Tensor, w: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """Codes ``[m, n_g, group]`` of widths ``w`` ``[m, n_g]`` back to back (LSB first) in
+    containers ``[m, nbytes]``; codes of width-0 groups are ignored, padding codes are 0."""
+    m, n_g, g = code.shape
+    dev = code.device
+    if g % 8 == 0:
+        # every 8 codes of a group fill exactly w bytes: one 64-bit word each, whose bytes
+        # from w on are 0, so all 8 bytes can be added in place (the bits are disjoint)
+        nc = g // 8
+        j8 = torch.arange(8, device=dev)
+        shifted = code.to(torch.int64) << _shifts(w, g)
+        word = shifted.view(m, n_g, nc, 8).sum(dim=3)
+        word = torch.where(w.unsqueeze(2) > 0, word, 0)
+        if _LITTLE and not torch.compiler.is_compiling():
+            byte = word.view(torch.uint8)  # the word's bytes, least significant first
+        else:
+            byte = ((word.unsqueeze(3) >> (8 * j8)) & 255).to(torch.uint8)
+        group_bytes = w * nc
+        first = torch.cumsum(group_bytes, dim=1) - group_bytes  # each group's first byte
+        # room past the container: 7 bytes of the last word, and the zero codes padding a
+        # short last group (at most a group's worth of bytes)
+        room = nbytes + g + 8
+        row = torch.arange(m, device=dev).view(m, 1) * room
+        chunk = (first + row).unsqueeze(2) + w.unsqueeze(2) * torch.arange(nc, device=dev)
+        out = torch.zeros(m, room, dtype=torch.uint8, device=dev)
+        out.view(-1).scatter_add_(0, (chunk.unsqueeze(3) + j8).view(-1), byte.reshape(-1))
+        return out[:, :nbytes]
+    # any group size: each code lands in (at most) two bytes, added (the bits are disjoint)
+    bit = _bit_offsets(w, g)
+    code = torch.where(w.unsqueeze(2) > 0, code.to(torch.int64), 0) << (bit & 7)
+    at = (bit >> 3).clamp(max=nbytes).view(m, -1)
+    out = torch.zeros(m, nbytes + 1, dtype=torch.int32, device=dev)
+    out.scatter_add_(1, at, (code & 255).view(m, -1).to(torch.int32))
+    out.scatter_add_(1, (at + 1).clamp(max=nbytes), (code >> 8).view(m, -1).to(torch.int32))
+    return out[:, :nbytes].to(torch.uint8)
 
 
-def _unpack_varwidth(p: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
-    if width.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64, device=p.device)
-    bits = ((p.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=p.device)) & 1).reshape(-1)
-    start = torch.cumsum(width, 0) - width
-    j = torch.arange(_MAX_W, device=p.device)
-    valid = j.unsqueeze(0) < width.unsqueeze(1)
-    pos = (start.unsqueeze(1) + j.unsqueeze(0)).clamp(max=max(bits.numel() - 1, 0))
-    vals = torch.where(valid, bits[pos] << j.unsqueeze(0), 0)
-    return vals.sum(dim=1)
+def _shifts(w: torch.Tensor, g: int) -> torch.Tensor:
+    """``w · (i mod 8)`` for each code ``i`` of each group ``[m, n_g, g]`` (int64, contiguous:
+    an operand broadcast along a middle dimension would make the shifts several times
+    slower)."""
+    table = _shift_table(g, w.device)
+    return table.index_select(0, w.reshape(-1)).view(*w.shape, g)
+
+
+@functools.lru_cache(maxsize=32)
+def _shift_table(g: int, device: torch.device) -> torch.Tensor:
+    i = torch.arange(g, device=device) % 8
+    return torch.arange(_MAX_W + 1, device=device).unsqueeze(1) * i
+
+
+def _bit_offsets(w: torch.Tensor, g: int) -> torch.Tensor:
+    """Bit position ``[m, n_g, g]`` of each code in its span's container."""
+    bits = w * g
+    first = torch.cumsum(bits, dim=1) - bits
+    return first.unsqueeze(2) + w.unsqueeze(2) * torch.arange(g, device=w.device)
+
+
+def _unpack_codes(body: torch.Tensor, w: torch.Tensor, g: int) -> torch.Tensor:
+    """Codes ``[m, n_g, g]`` of widths ``w`` ``[m, n_g]`` from containers ``[m, nbytes]``
+    (width-0 groups and bits past the container read as 0)."""
+    m, n_g = w.shape
+    nbytes = body.shape[1]
+    dev = body.device
+    mask = ((1 << w) - 1).unsqueeze(2)
+    if g % 8 == 0 and _LITTLE and not torch.compiler.is_compiling():
+        # every 8 codes of a group are exactly w bytes: read them as one 64-bit word
+        nc = g // 8
+        flat = torch.zeros(m * nbytes + 8, dtype=torch.uint8, device=dev)
+        flat[: m * nbytes] = body.reshape(-1)
+        window = flat.as_strided((m * nbytes + 1, 8), (1, 1))  # 8 bytes from each position
+        group_bytes = w * nc
+        first = torch.cumsum(group_bytes, dim=1) - group_bytes
+        chunk = first.unsqueeze(2) + w.unsqueeze(2) * torch.arange(nc, device=dev)
+        row = torch.arange(m, device=dev).view(m, 1, 1) * nbytes
+        start = torch.where(chunk < nbytes, chunk + row, m * nbytes).view(-1)
+        word = window.index_select(0, start).view(torch.int64).view(m, n_g, nc, 1)
+        code = word.expand(m, n_g, nc, 8) >> _shifts(w, g).view(m, n_g, nc, 8)
+        return code.view(m, n_g, g) & mask
+    # any group size: each code is within two bytes
+    bit = _bit_offsets(w, g)
+    at = (bit >> 3).clamp(max=nbytes).view(m, -1)
+    padded = torch.zeros(m, nbytes + 2, dtype=torch.int64, device=dev)
+    padded[:, :nbytes] = body
+    two = torch.gather(padded, 1, at) | (torch.gather(padded, 1, at + 1) << 8)
+    return (two.view(m, n_g, g) >> (bit & 7)) & mask

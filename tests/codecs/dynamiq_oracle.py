@@ -1,0 +1,307 @@
+"""A test-only oracle of the DynamiQ codec: the first, span-by-span implementation.
+
+This is the straightforward version the batched codec (``dynamiq/codecs/dynamiq_codec.py``)
+replaced, kept verbatim in logic: one span at a time, a host-synchronised binary search of
+the water-filling threshold per span, one boolean mask per width, and bit-by-bit packing. It
+is slow and obviously correct; ``test_dynamiq_codec.py`` checks that the batched codec gives
+the same wire bytes, the same decoded values and the same ``max_abs_error`` for every
+configuration. It reads only the codec's configuration fields, never its methods.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dynamiq.codecs._dynamiq_levels import DISTORTION_FITTED, LEVELS
+from dynamiq.codecs.base import HopContext
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec
+from dynamiq.codecs.formats import exponent_of
+from dynamiq.codecs.hashing import hash_keys, hash_u32, uniform_open01
+
+__all__ = ["DynamiqOracle"]
+
+_MAX_W = 8
+_E_MAX = 15
+
+
+def _priority(k: int) -> tuple[int, ...]:
+    d = DISTORTION_FITTED
+    return tuple(round(4 * k * math.log2(d[w] - d[w + 1])) for w in range(8))
+
+
+def _level_table(kind: str, width: int) -> torch.Tensor:
+    if width == 0:
+        return torch.zeros(0)
+    if kind == "fitted":
+        half = torch.tensor(LEVELS[width], dtype=torch.float32)
+        return torch.cat([-half.flip(0), half])
+    n = 1 << width
+    k = torch.arange(n, dtype=torch.float64)
+    return (2 * k / (n - 1) - 1).float()
+
+
+def _max_error_units(levels: torch.Tensor, stochastic: bool) -> float:
+    if levels.numel() == 0:
+        return 1.0
+    lv = levels.double()
+    gaps = lv[1:] - lv[:-1] if lv.numel() > 1 else torch.zeros(1, dtype=torch.float64)
+    ends = max(float(lv[0] + 1), float(1 - lv[-1]))
+    inner = float(gaps.max()) if stochastic else float(gaps.max()) / 2
+    return max(inner, ends)
+
+
+class DynamiqOracle:
+    """The span-by-span DynamiQ codec of one configuration (``encode``, ``decode``,
+    ``max_abs``), built from a :class:`DynamiqCodec`'s fields."""
+
+    def __init__(self, codec: DynamiqCodec) -> None:
+        self.bits = codec.bits
+        self.span = codec.span
+        self.super_group = codec.super_group
+        self.group = codec.group
+        self.levels = codec.levels
+        self.rounding = codec.rounding
+        self.hop_slope = codec.hop_slope
+        self.pooled = codec.pooled
+        self.scale_steps = codec.scale_steps
+
+    def _levels(self, width: int) -> torch.Tensor:
+        lv = _level_table(self.levels, width)
+        if self.rounding != "nearest" and lv.numel():
+            lv = lv / lv.abs().max()
+        return lv
+
+    def _bits_at(self, ctx: HopContext | None) -> float:
+        if ctx is None or ctx.num_hops <= 1 or self.hop_slope == 0:
+            return float(self.bits)
+        rel = (ctx.hop - (ctx.num_hops - 1) / 2) / (ctx.num_hops - 1)
+        return min(8.0, max(0.0, self.bits + self.hop_slope * rel))
+
+    def _budget(self, length: int, ctx: HopContext | None) -> int:
+        return math.floor(self._bits_at(ctx) * length)
+
+    def _span_bytes(self, length: int, ctx: HopContext | None) -> int:
+        n_sg = -(-length // self.super_group)
+        n_g = -(-length // self.group)
+        return 2 * n_sg + (n_g * 4 + 7) // 8 + (self._budget(length, ctx) + 7) // 8
+
+    def encoded_nbytes(self, numel: int, ctx: HopContext | None = None) -> int:
+        full, rest = divmod(numel, self.span)
+        return full * self._span_bytes(self.span, ctx) + (
+            self._span_bytes(rest, ctx) if rest else 0
+        )
+
+    def _scales(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = x.numel()
+        g, sg = self.group, self.super_group
+        n_g = -(-n // g)
+        pad = torch.zeros(n_g * g, dtype=torch.float32, device=x.device)
+        pad[:n] = x
+        a_g = pad.view(n_g, g).abs().amax(dim=1)
+        per_sg = sg // g
+        n_sg = -(-n_g // per_sg)
+        a_pad = torch.zeros(n_sg * per_sg, dtype=torch.float32, device=x.device)
+        a_pad[:n_g] = a_g
+        a_sg = a_pad.view(n_sg, per_sg).amax(dim=1)
+        s = a_sg.to(torch.bfloat16)
+        s = torch.where(s.float() < a_sg, (s.view(torch.int16) + 1).view(torch.bfloat16), s)
+        s_sg = s.float()
+        s_of_g = s_sg.repeat_interleave(per_sg)[:n_g]
+        cand = self._group_scale(s_of_g.unsqueeze(1), torch.arange(_E_MAX + 1, device=x.device))
+        ok = cand >= a_g.unsqueeze(1)
+        e = (ok.to(torch.int64) * torch.arange(1, _E_MAX + 2, device=x.device)).amax(dim=1) - 1
+        e = torch.where(a_g == 0, _E_MAX, e.clamp(0, _E_MAX))
+        return s_sg, e, a_g
+
+    def _group_scale(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        k = self.scale_steps
+        steps = torch.tensor(
+            [2.0 ** (-j / k) for j in range(k)], dtype=torch.float32, device=s.device
+        )
+        return torch.ldexp(s * steps[e % k], -(e // k))
+
+    def _widths(
+        self, s_sg: torch.Tensor, e: torch.Tensor, length: int, budget: int
+    ) -> torch.Tensor:
+        g = self.group
+        n_g = e.numel()
+        sizes = torch.full((n_g,), g, dtype=torch.int64, device=e.device)
+        if n_g:
+            sizes[-1] = length - g * (n_g - 1)
+        per_sg = self.super_group // g
+        es = exponent_of(s_sg).repeat_interleave(per_sg)[:n_g]
+        k = self.scale_steps
+        level = k * es - e
+        live = (s_sg.repeat_interleave(per_sg)[:n_g] > 0) & (e < _E_MAX + 1)
+        if not self.pooled:
+            flat = min(_MAX_W, budget // max(length, 1))
+            return torch.where(live, flat, 0).to(torch.int64)
+        if not bool(live.any()):
+            return torch.zeros(n_g, dtype=torch.int64, device=e.device)
+        q = torch.tensor(_priority(k), dtype=torch.int64, device=e.device)
+        prio = torch.where(live.unsqueeze(1), 8 * level.unsqueeze(1) + q, -(1 << 40))
+
+        def cost(tau: int) -> int:
+            return int(((prio >= tau).sum(dim=1) * sizes).sum())
+
+        lo, hi = int(prio[live].min()), int(prio[live].max()) + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if cost(mid) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        tau = lo
+        w = (prio >= tau).sum(dim=1)
+        left = budget - int((w * sizes).sum())
+        nxt = torch.gather(prio, 1, w.clamp(max=_MAX_W - 1).unsqueeze(1)).squeeze(1)
+        rising = (w < _MAX_W) & (nxt == tau - 1)
+        cum = torch.cumsum(torch.where(rising, sizes, 0), dim=0)
+        return w + (rising & (cum <= left)).to(torch.int64)
+
+    def _span_ctx_u(self, idx: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        v = uniform_open01(hash_u32(idx, hash_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank)))
+        if self.rounding == "stochastic" or ctx.num_hops <= 1:
+            return v
+        h = ctx.num_hops
+        shift = hash_u32(idx, hash_keys(ctx.seed, ctx.step, 0xFFFFFFFF, 0xFFFFFFFF)) % h
+        stratum = (shift + ctx.hop) % h
+        return (stratum.to(torch.float32) + v) / h
+
+    def encode(self, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        xf = x.float()
+        out = []
+        for a in range(0, xf.numel(), self.span):
+            out.append(self._encode_span(xf[a : a + self.span], ctx, ctx.offset + a))
+        if not out:
+            return torch.empty(0, dtype=torch.uint8, device=x.device)
+        return torch.cat(out)
+
+    def _encode_span(self, x: torch.Tensor, ctx: HopContext, offset: int) -> torch.Tensor:
+        n = x.numel()
+        s_sg, e, _ = self._scales(x)
+        finite_sg = torch.isfinite(s_sg)
+        budget = self._budget(n, ctx)
+        w = self._widths(torch.where(finite_sg, s_sg, 0.0), e, n, budget)
+        g, per_sg = self.group, self.super_group // self.group
+        s_g = self._group_scale(s_sg.repeat_interleave(per_sg)[: e.numel()], e)
+        s_el = s_g.repeat_interleave(g)[:n]
+        w_el = w.repeat_interleave(g)[:n]
+        safe = torch.where((s_el > 0) & torch.isfinite(s_el), s_el, 1.0)
+        y = torch.where(s_el > 0, x / safe, 0.0).clamp(-1, 1)
+        idx = torch.arange(n, device=x.device, dtype=torch.int64) + offset
+        u = None if self.rounding == "nearest" else self._span_ctx_u(idx, ctx)
+        code = torch.zeros(n, dtype=torch.int64, device=x.device)
+        for width in range(1, _MAX_W + 1):
+            m = w_el == width
+            if bool(m.any()):
+                code[m] = _quantize(
+                    y[m], self._levels(width).to(x.device), None if u is None else u[m]
+                )
+        header = torch.cat([s_sg.to(torch.bfloat16).view(torch.uint8), _pack4(e)])
+        body = _pack_varwidth(code, w_el, budget)
+        return torch.cat([header, body])
+
+    def decode(self, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
+        out = torch.empty(numel, dtype=torch.float32, device=payload.device)
+        pos = 0
+        for a in range(0, numel, self.span):
+            n = min(self.span, numel - a)
+            size = self._span_bytes(n, ctx)
+            out[a : a + n] = self._decode_span(payload[pos : pos + size], n, ctx)
+            pos += size
+        return out
+
+    def _decode_span(self, p: torch.Tensor, n: int, ctx: HopContext) -> torch.Tensor:
+        g, per_sg = self.group, self.super_group // self.group
+        n_sg, n_g = -(-n // self.super_group), -(-n // g)
+        s_sg = p[: 2 * n_sg].clone().view(torch.bfloat16).float()
+        e = _unpack4(p[2 * n_sg : 2 * n_sg + (n_g * 4 + 7) // 8], n_g)
+        budget = self._budget(n, ctx)
+        finite_sg = torch.isfinite(s_sg)
+        w = self._widths(torch.where(finite_sg, s_sg, 0.0), e, n, budget)
+        w_el = w.repeat_interleave(g)[:n]
+        code = _unpack_varwidth(p[2 * n_sg + (n_g * 4 + 7) // 8 :], w_el)
+        s_g = self._group_scale(s_sg.repeat_interleave(per_sg)[:n_g], e)
+        s_el = s_g.repeat_interleave(g)[:n]
+        val = torch.zeros(n, dtype=torch.float32, device=p.device)
+        for width in range(1, _MAX_W + 1):
+            m = w_el == width
+            if bool(m.any()):
+                val[m] = self._levels(width).to(p.device)[code[m]]
+        return val * s_el
+
+    def max_abs(self, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        stochastic = self.rounding != "nearest"
+        units = [_max_error_units(self._levels(w), stochastic) for w in range(_MAX_W + 1)]
+        g, per_sg = self.group, self.super_group // self.group
+        xf = x.float()
+        out = torch.empty(xf.numel(), dtype=torch.float64, device=x.device)
+        for a in range(0, xf.numel(), self.span):
+            xs = xf[a : a + self.span]
+            n = xs.numel()
+            s_sg, e, a_g = self._scales(xs)
+            w = self._widths(
+                torch.where(torch.isfinite(s_sg), s_sg, 0.0), e, n, self._budget(n, ctx)
+            )
+            s_g = self._group_scale(s_sg.repeat_interleave(per_sg)[: e.numel()], e).double()
+            unit = torch.tensor(units, dtype=torch.float64, device=x.device)[w]
+            b = torch.where(w == 0, a_g.double(), s_g * (unit + 2.0**-22))
+            b = torch.where(torch.isfinite(b), b, torch.inf)
+            out[a : a + n] = b.repeat_interleave(g)[:n]
+        return out
+
+
+def _quantize(y: torch.Tensor, levels: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+    n = levels.numel()
+    hi = torch.searchsorted(levels, y.contiguous()).clamp(1, n - 1)
+    lo = hi - 1
+    l_lo, l_hi = levels[lo], levels[hi]
+    span = l_hi - l_lo
+    frac = ((y - l_lo) / span).clamp(0, 1)
+    up = frac > 0.5 if u is None else u < frac
+    return torch.where(up, hi, lo)
+
+
+def _pack4(e: torch.Tensor) -> torch.Tensor:
+    n = e.numel()
+    pad = torch.zeros(n + (n & 1), dtype=torch.int64, device=e.device)
+    pad[:n] = e
+    pair = pad.view(-1, 2)
+    return (pair[:, 0] | (pair[:, 1] << 4)).to(torch.uint8)
+
+
+def _unpack4(p: torch.Tensor, n: int) -> torch.Tensor:
+    b = p.to(torch.int64)
+    return torch.stack([b & 15, b >> 4], dim=1).reshape(-1)[:n]
+
+
+def _pack_varwidth(code: torch.Tensor, width: torch.Tensor, budget: int) -> torch.Tensor:
+    nbytes = (budget + 7) // 8
+    if code.numel() == 0:
+        return torch.zeros(nbytes, dtype=torch.uint8, device=code.device)
+    start = torch.cumsum(width, 0) - width
+    j = torch.arange(_MAX_W, device=code.device)
+    valid = j.unsqueeze(0) < width.unsqueeze(1)
+    pos = (start.unsqueeze(1) + j.unsqueeze(0))[valid]
+    bit = ((code.unsqueeze(1) >> j.unsqueeze(0)) & 1)[valid]
+    bits = torch.zeros(nbytes * 8, dtype=torch.int64, device=code.device)
+    bits[pos] = bit
+    weights = 1 << torch.arange(8, device=code.device)
+    return (bits.view(-1, 8) * weights).sum(dim=1).to(torch.uint8)
+
+
+def _unpack_varwidth(p: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    # the one change from the first version, which raised IndexError on an empty container
+    # (a span of one value with bits < 1: every width is then 0)
+    if width.numel() == 0 or p.numel() == 0:
+        return torch.zeros(width.numel(), dtype=torch.int64, device=p.device)
+    bits = ((p.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=p.device)) & 1).reshape(-1)
+    start = torch.cumsum(width, 0) - width
+    j = torch.arange(_MAX_W, device=p.device)
+    valid = j.unsqueeze(0) < width.unsqueeze(1)
+    pos = (start.unsqueeze(1) + j.unsqueeze(0)).clamp(max=max(bits.numel() - 1, 0))
+    vals = torch.where(valid, bits[pos] << j.unsqueeze(0), 0)
+    return vals.sum(dim=1)
