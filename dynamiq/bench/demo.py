@@ -98,6 +98,6 @@ def multiprocess_allreduce(
             }
         )
     if fp32_bytes:
-        for r in rows:
-            r["vs fp32"] = f"{fp32_bytes / r['bytes/rank']:.2f}x smaller"
+        for row in rows:
+            row["vs fp32"] = f"{fp32_bytes / row['bytes/rank']:.2f}x smaller"
     return rows

@@ -125,7 +125,8 @@ def _finish(
         if bound is not None:
             bound = bound + (cast.double() - out.double()).abs()
         out = cast.float()
-    tensor.view(-1).copy_(out)
+    if out.data_ptr() != tensor.data_ptr():  # the engine may have worked in ``tensor`` itself
+        tensor.view(-1).copy_(out)
     return bound
 
 
@@ -195,7 +196,8 @@ def allreduce(
     A peer that dies or stalls raises :class:`PeerTimeoutError` within ``timeout`` seconds;
     ranks that disagree on the configuration raise :class:`ConfigMismatchError`.
     ``residual`` (fp32, same number of elements) accumulates what this rank's encodings lost
-    (for error feedback; see :mod:`dynamiq.ddp`).
+    (for error feedback; see :mod:`dynamiq.ddp`). An fp32 ``tensor`` is the engine's working
+    buffer: if the collective fails its contents are undefined (as with torch.distributed).
     """
     _check_tensor(tensor)
     op = _op_name(op)
@@ -217,6 +219,7 @@ def allreduce(
             timeout=timeout,
             descriptor={"op": op, "dtype": str(tensor.dtype)},
             residual=residual,
+            inplace=True,  # the result goes to ``tensor`` anyway: no 2 copies of it
         )
         bound = _finish(tensor, res, op, tr.world_size)
         stats = AllReduceStats.from_result(res, c, sched)

@@ -308,8 +308,13 @@ def run_schedule(
     residual: torch.Tensor | None = None,
     rounds: tuple[int, int] | None = None,
     outputs: Sequence[int] | None = None,
+    inplace: bool = False,
 ) -> EngineResult:
     """All-reduce (sum) the 1-D tensor ``x`` of this rank; returns the fp32 result.
+
+    ``inplace=True`` lets a contiguous fp32 ``x`` be the working buffer (no copy of it): it
+    ends holding the result, which is then ``x`` itself; if the run fails its contents are
+    undefined. Other dtypes are copied as without it.
 
     ``residual`` (fp32, ``x.numel()``), when given, accumulates ``v - decode(encode(v))`` of
     every value this rank encodes, at its positions: its own contribution and the partial
@@ -357,7 +362,11 @@ def run_schedule(
     plan = plan or plan_schedule(schedule, codec, seed=seed, step=step, rounds=rounds)
     _, pieces = chunk_layout(numel, schedule, codec, sub_chunk)
 
-    work = x.detach().to(torch.float32).clone()  # raw values (fp32), updated in place
+    # raw values (fp32), updated in place
+    if inplace and x.dtype == torch.float32 and x.is_contiguous():
+        work = x.detach()
+    else:
+        work = x.detach().to(torch.float32).clone()
     beta = torch.zeros(numel, dtype=torch.float64, device=x.device) if return_bound else None
     state = [_State() for _ in range(schedule.num_chunks)]
 
@@ -371,6 +380,28 @@ def run_schedule(
         assert s.codec is not None and s.ctx is not None
         v = s.codec.decode(s.payloads[j], b - a, octx(s.ctx, a))
         return v, s.bounds[j]
+
+    # A chunk whose last receive on this rank has happened holds its final bytes: decode its
+    # sub-chunks in the next rounds, one before each wait for a peer's data (the link is busy,
+    # the CPU would idle), instead of all after the last round; not in the round that
+    # produced them, whose end the next round's sends wait for. Same bytes, same decode:
+    # same result. (Bounds are set at the end: a send may still replace a payload's bound by
+    # the packed one its receiver gets.)
+    last_recv: dict[int, int] = {}
+    for k, rnd in enumerate(plan[r]):
+        for op in rnd.recvs:
+            last_recv[op.chunk] = k
+    deferred: list[tuple[int, Codec, HopContext, torch.Tensor, int, int]] = []
+    decoded: set[tuple[int, int]] = set()
+
+    def decode_deferred(count: int, before_round: int) -> None:
+        t = time.perf_counter()
+        for _ in range(count):
+            if not deferred or deferred[0][0] >= before_round:
+                break
+            _, c, ctx, payload, a, b = deferred.pop(0)
+            work[a:b] = c.decode(payload, b - a, octx(ctx, a))
+        timer.add("decode", t)
 
     for k, rnd in enumerate(plan[r]):
         where = f" (round {k} of {len(plan[r])}, schedule {schedule.name})"
@@ -438,6 +469,8 @@ def run_schedule(
         fresh: dict[int, _State] = {}
         for op, j, a, b, pay, bnds in incoming:
             assert rnd.recv_from is not None
+            if deferred:
+                decode_deferred(1, before_round=k)
             t = time.perf_counter()
             if pay is None:  # data-dependent size: the length comes first
                 hdr = torch.empty(1, dtype=torch.int64, device=x.device)
@@ -499,6 +532,14 @@ def run_schedule(
                     if beta is not None:
                         assert pb is not None and lb is not None
                         beta[a:b] = pb + lb + _slack(v)
+            if (
+                op.mode != "keep"
+                and last_recv[op.chunk] == k
+                and (outputs is None or op.chunk in outputs)
+            ):
+                assert st.codec is not None and st.ctx is not None
+                deferred.append((k, st.codec, st.ctx, st.payloads[-1], a, b))
+                decoded.add((op.chunk, j))
             timer.add("reduce", t)
         for ch, st in fresh.items():
             state[ch] = st
@@ -508,13 +549,15 @@ def run_schedule(
         timer.add("wait", t)
 
     # final values: decode what is encoded (the owner decodes its own bytes too)
+    decode_deferred(len(deferred), before_round=len(plan[r]))
     t = time.perf_counter()
     for ch, s in enumerate(state):
         if not s.encoded or (outputs is not None and ch not in outputs):
             continue
         assert s.codec is not None and s.ctx is not None
         for j, (a, b) in enumerate(pieces[ch]):
-            work[a:b] = s.codec.decode(s.payloads[j], b - a, octx(s.ctx, a))
+            if (ch, j) not in decoded:
+                work[a:b] = s.codec.decode(s.payloads[j], b - a, octx(s.ctx, a))
             if beta is not None:
                 bj = s.bounds[j]
                 assert bj is not None
