@@ -31,11 +31,18 @@ def require_matplotlib() -> Any:
 
 
 def _config(codec: Any) -> dict[str, Any]:
+    """The codec's id and its knobs that differ from the registered defaults."""
     if isinstance(codec, str):
         return {"id": codec}
-    if isinstance(codec, dict):
-        return dict(codec)
-    raise TypeError(f"codec must be an id or a config dict (got {type(codec).__name__})")
+    if not isinstance(codec, dict):
+        raise TypeError(f"codec must be an id or a config dict (got {type(codec).__name__})")
+    from dynamiq.codecs import get_codec
+
+    try:
+        defaults = get_codec(codec["id"]).get_config()
+    except Exception:  # an unknown plugin id: keep every knob
+        defaults = {}
+    return {k: v for k, v in codec.items() if k == "id" or k not in defaults or defaults[k] != v}
 
 
 # codec ids drawn as one line per family, in this order, and their line labels
@@ -94,6 +101,10 @@ def plot_compare(
     # lossless and near-lossless points (fp32, OmniReduce at density 1) would squash the
     # lossy codecs' range: they are drawn at the floor and labelled
     floor = 1e-7
+    families = list(dict.fromkeys(codec_family(r["codec"]) for r in rows))
+    cmap = plt.get_cmap("tab20")
+    color = {f: cmap(i % 20) for i, f in enumerate(families)}
+    color.update({f: "black" for f in families if f == "DynamiQ"})
     for ax, (schedule, workers) in zip(axes.flat, panels, strict=False):
         lines: dict[str, list[tuple[float, float, str]]] = {}
         for r in rows:
@@ -107,11 +118,11 @@ def plot_compare(
             xs = [p[0] for p in pts]
             ys = [max(p[1], floor) for p in pts]
             if family.startswith("DynamiQ"):
-                ax.plot(xs, ys, "-o", label=family, linewidth=2.2, markersize=4)
+                ax.plot(xs, ys, "-o", label=family, linewidth=2.2, markersize=4, c=color[family])
             elif len(pts) > 1:
-                ax.plot(xs, ys, "--s", label=family, linewidth=1.0, markersize=4)
+                ax.plot(xs, ys, "--s", label=family, linewidth=1.0, markersize=4, c=color[family])
             else:
-                ax.plot(xs, ys, "D", label=family, markersize=5)
+                ax.plot(xs, ys, "D", label=family, markersize=5, c=color[family])
             for x, y, p in zip(xs, ys, pts, strict=True):
                 if p[1] < floor:
                     ax.annotate(f"{p[2]}: {p[1]:.0e}", (x, y), fontsize=6, rotation=90)
@@ -129,10 +140,12 @@ def plot_compare(
     for ax in axes.flat[1:]:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             seen.setdefault(lab, h)
-    fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=min(len(seen), 5))
+    fig.legend(
+        list(seen.values()), list(seen), loc="lower center", ncol=min(len(seen), 4), fontsize=8
+    )
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.04 + 0.035 * math.ceil(len(seen) / 5), 1, 1))
+    fig.tight_layout(rect=(0, 0.03 + 0.03 * math.ceil(len(seen) / 4), 1, 1))
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
