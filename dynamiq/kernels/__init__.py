@@ -420,7 +420,7 @@ def _env(key: str, value: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _kernel_scope(device: torch.device, fn: Any) -> Iterator[None]:
+def _kernel_scope(device: torch.device, fn: Any = None) -> Iterator[None]:
     """Run a kernel. On the CPU, Triton's interpreter runs it: ``TRITON_INTERPRET=1`` must
     hold while it launches (Triton imports parts of itself lazily, checking the mode), and
     it computes with NumPy, whose warnings about IEEE results (Inf - Inf, overflow to Inf)
