@@ -541,6 +541,8 @@ class DynamiqCodec(Codec):
         return functools.partial(_run_compiled, self, op)
 
     def _encode(self, x: torch.Tensor, ctx: HopContext, *, compiled: bool = False) -> torch.Tensor:
+        """The reference encode; ``compiled``: the CPU fast path's compiled block functions
+        (what :mod:`dynamiq.kernels` asks for when ``DYNAMIQ_CPU_COMPILE=1``), same bytes."""
         out = torch.empty(self.encoded_nbytes(x.numel(), ctx), dtype=torch.uint8, device=x.device)
         tables = self._tables(x.device)
         for first, m, length in self._blocks(x.numel(), "encode" if compiled else None):
@@ -589,6 +591,7 @@ class DynamiqCodec(Codec):
     def _decode(
         self, payload: torch.Tensor, numel: int, ctx: HopContext, *, compiled: bool = False
     ) -> torch.Tensor:
+        """The reference decode (``compiled``: as for :meth:`_encode`)."""
         out = torch.empty(numel, dtype=torch.float32, device=payload.device)
         tables = self._tables(payload.device)
         for first, m, length in self._blocks(numel, "decode" if compiled else None):
@@ -631,6 +634,8 @@ class DynamiqCodec(Codec):
         *,
         compiled: bool = False,
     ) -> torch.Tensor:
+        """The fused decompress-accumulate-recompress, block by block (``compiled``: as for
+        :meth:`_encode`): bit-identical to ``_encode(_decode(payload) + local, out_ctx)``."""
         numel = local.numel()
         dev = local.device
         out = torch.empty(self.encoded_nbytes(numel, out_ctx), dtype=torch.uint8, device=dev)
@@ -664,6 +669,9 @@ class DynamiqCodec(Codec):
         """``_encode_rows(_decode_rows(p2) + local3)`` for ``m`` spans (``local3`` fp32,
         padding zero)."""
         x3 = self._decode_rows(p2, length, budget_in, tables) + local3
+        if torch.compiler.is_compiling():
+            # store the partial sum once (the encode reads it twice: absmax, then rounding)
+            torch._dynamo.graph_break()
         if length < x3.shape[1] * self.group:  # keep the padding zero
             x3.view(-1)[length:] = 0.0
         return self._encode_rows(x3, length, budget_out, tables, u)
@@ -813,7 +821,7 @@ def _pack_codes(code: torch.Tensor, w: torch.Tensor, nbytes: int) -> torch.Tenso
         shifted = code.to(torch.int64) << _shifts(w, g)
         word = shifted.view(m, n_g, nc, 8).sum(dim=3)
         word = torch.where(w.unsqueeze(2) > 0, word, 0)
-        if _LITTLE and not torch.compiler.is_compiling():
+        if _LITTLE:
             byte = word.view(torch.uint8)  # the word's bytes, least significant first
         else:
             byte = ((word.unsqueeze(3) >> (8 * j8)) & 255).to(torch.uint8)
@@ -865,7 +873,7 @@ def _unpack_codes(body: torch.Tensor, w: torch.Tensor, g: int) -> torch.Tensor:
     nbytes = body.shape[1]
     dev = body.device
     mask = ((1 << w) - 1).unsqueeze(2)
-    if g % 8 == 0 and _LITTLE and not torch.compiler.is_compiling():
+    if g % 8 == 0 and _LITTLE:
         # every 8 codes of a group are exactly w bytes: read them as one 64-bit word
         nc = g // 8
         flat = torch.zeros(m * nbytes + 8, dtype=torch.uint8, device=dev)
