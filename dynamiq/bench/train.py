@@ -1504,6 +1504,7 @@ def plot_curves(result: dict[str, Any], path: Path) -> None:
 
     base = {s: curve("bf16", s) for s in seeds}
     lo, hi = math.inf, -math.inf
+    diff_points: list[tuple[int, float]] = []
     for i, m in enumerate(result["methods"]):
         curves = {s: curve(m, s) for s in seeds}
         steps = sorted(set.intersection(*(set(c) for c in curves.values())))
@@ -1515,6 +1516,7 @@ def plot_curves(result: dict[str, Any], path: Path) -> None:
             hi = max(hi, finite[len(finite) // 3])
         both = [t for t in steps if all(t in base[s] for s in seeds)]
         diffs = [[curves[s][t] - base[s][t] for s in seeds] for t in both]
+        diff_points += [(t, y) for t, d in zip(both, diffs, strict=True) for y in d]
         style = _style(m, i)
         ad.plot(both, [statistics.fmean(d) for d in diffs], **style)
         if m != "bf16" and len(seeds) > 1:
@@ -1546,16 +1548,10 @@ def plot_curves(result: dict[str, Any], path: Path) -> None:
     ad.set_title("against bf16_compress_hook (band: min-max over seeds)", fontsize=10)
     ax.legend(fontsize=7)
     ad.legend(fontsize=7, loc="upper right")
-    if len(ad.lines) > 1:
-        finite = [
-            y
-            for line in ad.lines
-            for x, y in zip(*line.get_data(), strict=True)
-            if x >= result["config"]["steps"] // 3 and math.isfinite(y)
-        ]
-        if finite:
-            span = max(abs(min(finite)), abs(max(finite)), 2 * tol)
-            ad.set_ylim(-1.2 * span, 1.2 * span)
+    late = [y for x, y in diff_points if x >= result["config"]["steps"] // 3 and math.isfinite(y)]
+    if late:
+        span = max(abs(min(late)), abs(max(late)), 2 * tol)
+        ad.set_ylim(-1.2 * span, 1.2 * span)
     ad.set_xlim(left=result["config"]["steps"] // 5)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
