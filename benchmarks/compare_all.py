@@ -25,7 +25,7 @@ from typing import Any
 
 from dynamiq.bench.compare import compare
 from dynamiq.bench.plots import codec_label, plot_compare
-from dynamiq.codecs import get_codec
+from dynamiq.codecs import get_codec, list_codecs
 
 SCHEDULES = ("ring", "butterfly")
 WORKERS = (4, 8, 16, 32)
@@ -43,23 +43,12 @@ SETS: dict[str, list[Any]] = {
         {"id": "omnireduce", "density": 0.25},
         {"id": "omnireduce", "density": 0.1},
     ],
+    # every built-in pass-through, INT and MX codec, from the registry
     "standard": [
-        "fp32",
-        "bf16",
-        "fp16",
-        "int2",
-        "int3",
-        "int4",
-        "int5",
-        "int6",
-        "int7",
-        "int8",
-        "mxfp4",
-        "mxfp6_e2m3",
-        "mxfp6_e3m2",
-        "mxfp8_e4m3",
-        "mxfp8_e5m2",
-        "mxint8",
+        n
+        for n in list_codecs()
+        if type(get_codec(n)).__module__
+        in ("dynamiq.codecs.passthrough", "dynamiq.codecs.intq", "dynamiq.codecs.mx")
     ],
     "ablation": [
         {"id": "dynamiq", "pooled": False},
