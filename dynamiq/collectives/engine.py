@@ -12,6 +12,12 @@ decoded partial sums and its gradient) or an *encoded* one (payload bytes with t
    with the codec's fused ``reduce`` (when this rank's next use of the chunk is to send it) or
    keeps the exact fp32 sum (when the next use is another reduction: no needless rounding).
 
+On the CPU (gloo, the in-process transport) rounds overlap: a round's receives are posted
+one round ahead, a piece the next round sends goes out as soon as this round has finished it,
+and finished chunks are decoded while later data is in flight; messages keep the lock-step
+order and values, so the bytes are the same (payloads of data-dependent size keep rounds in
+lock-step; on CUDA the rounds stay in lock-step).
+
 The rank that completes a chunk's sum always sends it on in the all-gather, so it encodes it
 once and everybody, the owner included, decodes those very bytes: **every rank ends
 bit-identical**. Which encoding is which hop is planned from the schedule alone, identically on
@@ -261,6 +267,20 @@ class _State:
     bounds: list[torch.Tensor | None] = field(default_factory=list)
 
 
+@dataclass
+class _Sends:
+    """A round's sends, issued in schedule order: item ``i`` is ``(send op, sub-chunk)``,
+    ``deps[i]`` the index in the previous round's receives of the piece it needs finished
+    (-1: none); ``pos`` the next item to send; ``new`` the state each sent chunk will have."""
+
+    k: int
+    items: list[tuple[SendOp, int]]
+    deps: list[int]
+    pos: int = 0
+    new: dict[int, _State] = field(default_factory=dict)
+    pending: list[Work] = field(default_factory=list)
+
+
 class _Timer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -373,8 +393,7 @@ def run_schedule(
     def octx(ctx: HopContext, start: int) -> HopContext:
         return dataclasses.replace(ctx, offset=base_offset + start, shared=shared)
 
-    def local_value(ch: int, j: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        s = state[ch]
+    def local_value(s: _State, j: int, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not s.encoded:
             return work[a:b], (beta[a:b] if beta is not None else None)
         assert s.codec is not None and s.ctx is not None
@@ -387,8 +406,9 @@ def run_schedule(
     # produced them, whose end the next round's sends wait for. Same bytes, same decode:
     # same result. (Bounds are set at the end: a send may still replace a payload's bound by
     # the packed one its receiver gets.)
+    rounds_plan = plan[r]
     last_recv: dict[int, int] = {}
-    for k, rnd in enumerate(plan[r]):
+    for k, rnd in enumerate(rounds_plan):
         for op in rnd.recvs:
             last_recv[op.chunk] = k
     deferred: list[tuple[int, Codec, HopContext, torch.Tensor, int, int]] = []
@@ -403,18 +423,25 @@ def run_schedule(
             work[a:b] = c.decode(payload, b - a, octx(ctx, a))
         timer.add("decode", t)
 
-    for k, rnd in enumerate(plan[r]):
-        where = f" (round {k} of {len(plan[r])}, schedule {schedule.name})"
+    # Rounds overlap on the CPU (gloo, in-process): the next round's receives are posted one
+    # round ahead, and a piece the next round sends goes out as soon as this round has
+    # finished it (gloo moves nothing until the receive is posted, and a round's last piece
+    # would otherwise hold up its first). Every message still goes out in the order of the
+    # lock-step schedule, computed from the same values, so the bytes are the same. Payloads
+    # of data-dependent size keep rounds in lock-step (their lengths are read one by one).
+    lookahead = x.device.type == "cpu"
 
-        def wait(w: Work, where: str = where) -> None:
-            try:
-                w.wait(timeout)
-            except PeerTimeoutError as exc:
-                raise PeerTimeoutError(str(exc) + where) from exc
+    def fixed_size(k: int) -> bool:
+        return all(
+            op.codec.encoded_nbytes(b - a, octx(op.ctx, a)) is not None
+            for op in rounds_plan[k].recvs
+            for a, b in pieces[op.chunk]
+        )
 
-        pending: list[Work] = []
-        # 1. post receives: all at once for fixed-size payloads (matched in order); for
-        #    data-dependent sizes one by one in step 3, each after its length header
+    def post_recvs(k: int) -> list[tuple[RecvOp, int, int, int, Any, Any]]:
+        # fixed-size payloads are posted at once (matched in order); data-dependent ones one
+        # by one when processed, each after its length header
+        rnd = rounds_plan[k]
         incoming: list[tuple[RecvOp, int, int, int, Any, Any]] = []
         for op in rnd.recvs:
             assert rnd.recv_from is not None
@@ -431,43 +458,83 @@ def run_schedule(
                     bnd = torch.empty(-(-(b - a) // g), dtype=torch.float64, device=x.device)
                     wb = transport.irecv(bnd, rnd.recv_from)
                 incoming.append((op, j, a, b, (buf, w_buf), (bnd, wb)))
-        # 2. sends --------------------------------------------------------------------------
-        for sop in rnd.sends:
+        return incoming
+
+    def plan_sends(k: int, prev: list[tuple[RecvOp, int, int, int, Any, Any]]) -> _Sends:
+        where_recv = {(op.chunk, j): i for i, (op, j, *_rest) in enumerate(prev)}
+        items = [(sop, j) for sop in rounds_plan[k].sends for j in range(len(pieces[sop.chunk]))]
+        deps = [where_recv.get((sop.chunk, j), -1) for sop, j in items]
+        return _Sends(k, items, deps)
+
+    def issue(sends: _Sends, done: int, fresh: dict[int, _State]) -> None:
+        """Send the pieces of ``sends`` whose inputs are ready (the previous round has
+        processed its receives up to index ``done``; ``fresh``: its new states)."""
+        rnd = rounds_plan[sends.k]
+        while sends.pos < len(sends.items) and sends.deps[sends.pos] <= done:
+            sop, j = sends.items[sends.pos]
+            sends.pos += 1
             assert rnd.send_to is not None
-            new = _State(True, sop.codec, sop.ctx) if sop.encode else state[sop.chunk]
-            for j, (a, b) in enumerate(pieces[sop.chunk]):
-                if sop.encode:
-                    t = time.perf_counter()
-                    v, vb = local_value(sop.chunk, j, a, b)
-                    c = octx(sop.ctx, a)
-                    payload = sop.codec.encode(v.contiguous(), c)
-                    if residual is not None:
-                        residual[a:b] += v - sop.codec.decode(payload, b - a, c)
-                    bnd = None
-                    if beta is not None:
-                        assert vb is not None
-                        bnd = vb + sop.codec.error_bound.max_abs_error(v, c)
-                    new.payloads.append(payload)
-                    new.bounds.append(bnd)
-                    timer.add("encode", t)
-                payload, bnd = new.payloads[j], new.bounds[j]
-                if sop.codec.encoded_nbytes(b - a, octx(sop.ctx, a)) is None:
-                    hdr = torch.tensor([payload.numel()], dtype=torch.int64, device=x.device)
-                    pending.append(transport.isend(hdr, rnd.send_to))
-                    result.bytes_sent += 8
-                pending.append(transport.isend(payload, rnd.send_to))
-                result.bytes_sent += payload.numel()
+            a, b = pieces[sop.chunk][j]
+            view = fresh.get(sop.chunk, state[sop.chunk])
+            new = sends.new.setdefault(
+                sop.chunk, _State(True, sop.codec, sop.ctx) if sop.encode else view
+            )
+            if sop.encode:
+                t = time.perf_counter()
+                v, vb = local_value(view, j, a, b)
+                c = octx(sop.ctx, a)
+                payload = sop.codec.encode(v.contiguous(), c)
+                if residual is not None:
+                    residual[a:b] += v - sop.codec.decode(payload, b - a, c)
+                bnd = None
                 if beta is not None:
-                    assert bnd is not None
-                    packed = _pack_bound(bnd, _group_size(sop.codec))
-                    pending.append(transport.isend(packed, rnd.send_to))
-                    result.bound_bytes_sent += packed.numel() * 8
-                    # keep what the receiver gets, so every rank ends with the same bound
-                    new.bounds[j] = _unpack_bound(packed, b - a, _group_size(sop.codec))
-            state[sop.chunk] = new
-        # 3. receive and process, sub-chunk by sub-chunk -----------------------------------
+                    assert vb is not None
+                    bnd = vb + sop.codec.error_bound.max_abs_error(v, c)
+                new.payloads.append(payload)
+                new.bounds.append(bnd)
+                timer.add("encode", t)
+            payload, bnd = new.payloads[j], new.bounds[j]
+            if sop.codec.encoded_nbytes(b - a, octx(sop.ctx, a)) is None:
+                hdr = torch.tensor([payload.numel()], dtype=torch.int64, device=x.device)
+                sends.pending.append(transport.isend(hdr, rnd.send_to))
+                result.bytes_sent += 8
+            sends.pending.append(transport.isend(payload, rnd.send_to))
+            result.bytes_sent += payload.numel()
+            if beta is not None:
+                assert bnd is not None
+                packed = _pack_bound(bnd, _group_size(sop.codec))
+                sends.pending.append(transport.isend(packed, rnd.send_to))
+                result.bound_bytes_sent += packed.numel() * 8
+                # keep what the receiver gets, so every rank ends with the same bound
+                new.bounds[j] = _unpack_bound(packed, b - a, _group_size(sop.codec))
+
+    posted: dict[int, list[tuple[RecvOp, int, int, int, Any, Any]]] = {}
+    early: _Sends | None = None  # this round's sends, started during the previous round
+    for k, rnd in enumerate(rounds_plan):
+        where = f" (round {k} of {len(rounds_plan)}, schedule {schedule.name})"
+
+        def wait(w: Work, where: str = where) -> None:
+            try:
+                w.wait(timeout)
+            except PeerTimeoutError as exc:
+                raise PeerTimeoutError(str(exc) + where) from exc
+
+        # 1. post receives (unless posted a round ahead), and the next round's -------------
+        incoming = posted.pop(k) if k in posted else post_recvs(k)
+        ahead = lookahead and k + 1 < len(rounds_plan)
+        if ahead and fixed_size(k) and fixed_size(k + 1):
+            posted[k + 1] = post_recvs(k + 1)
+        # 2. sends: the rest of them, then this round's states of what was sent ------------
+        sends = early or plan_sends(k, [])
+        issue(sends, 1 << 62, {})  # everything left: its inputs are all final now
+        for sop in rnd.sends:
+            state[sop.chunk] = sends.new[sop.chunk]
+        nxt = plan_sends(k + 1, incoming) if ahead else None
+        # 3. receive and process, sub-chunk by sub-chunk; start the next round's sends ------
         fresh: dict[int, _State] = {}
-        for op, j, a, b, pay, bnds in incoming:
+        if nxt is not None:
+            issue(nxt, -1, fresh)
+        for i, (op, j, a, b, pay, bnds) in enumerate(incoming):
             assert rnd.recv_from is not None
             if deferred:
                 decode_deferred(1, before_round=k)
@@ -507,7 +574,7 @@ def run_schedule(
                 st.payloads.append(payload)
                 st.bounds.append(pb)
             else:
-                local, lb = local_value(op.chunk, j, a, b)
+                local, lb = local_value(state[op.chunk], j, a, b)
                 if op.mode == "fused":
                     assert op.out_ctx is not None
                     out_c = octx(op.out_ctx, a)
@@ -541,10 +608,13 @@ def run_schedule(
                 deferred.append((k, st.codec, st.ctx, st.payloads[-1], a, b))
                 decoded.add((op.chunk, j))
             timer.add("reduce", t)
+            if nxt is not None:
+                issue(nxt, i, fresh)
         for ch, st in fresh.items():
             state[ch] = st
+        early = nxt
         t = time.perf_counter()
-        for w in pending:
+        for w in sends.pending:
             wait(w)
         timer.add("wait", t)
 
