@@ -118,6 +118,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -162,6 +163,18 @@ _U = 2.0**-24
 _MAX_GRID = 1 << 23  # k·g below this keeps 2Y - k·g exact in fp32
 _MAX_RANGE = 2.0**127  # ranges saturate here, so decoded values stay finite
 _ROTATION_HOP = 0xFFFFFFFF  # no HopContext has this hop: the rotation's hash never meets a dither
+#: signs of the rotation cached per (rotation_seed, device) for global indices below this
+#: (int8: at most 64 MiB per seed and device)
+_SIGN_CACHE_MAX = 1 << 26
+_SIGN_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
+_SIGN_LOCK = threading.Lock()
+
+
+def _hash_signs(seed: int, start: int, end: int, device: torch.device) -> torch.Tensor:
+    """``±1`` (fp32) of the global indices ``start .. end - 1`` from the counter hash."""
+    keys = hash_keys(seed, 0, _ROTATION_HOP, 0)
+    idx = torch.arange(start, end, device=device, dtype=torch.int64)
+    return 1.0 - 2.0 * (hash_u32(idx, keys) >> 31).to(torch.float32)
 
 
 class _Comm(Protocol):
@@ -177,12 +190,19 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     [[1.0, 1.0, 1.0, 1.0], [10.0, -2.0, -4.0, 0.0]]
     """
     rows, d = x.shape
-    h = 1
+    x = x.contiguous()
+    # two buffers used in turn (the input is never written): each stage writes a + b and
+    # a - b straight into place, no stacked temporaries
+    bufs = (torch.empty_like(x), torch.empty_like(x)) if d > 2 else (torch.empty_like(x),)
+    h, stage = 1, 0
     while h < d:
-        v = x.reshape(rows, d // (2 * h), 2, h)
-        a, b = v[:, :, 0, :], v[:, :, 1, :]
-        x = torch.stack((a + b, a - b), dim=2).reshape(rows, d)
-        h *= 2
+        v = x.view(rows, d // (2 * h), 2, h)
+        out = bufs[stage % len(bufs)]
+        o = out.view(rows, d // (2 * h), 2, h)
+        torch.add(v[:, :, 0, :], v[:, :, 1, :], out=o[:, :, 0, :])
+        torch.sub(v[:, :, 0, :], v[:, :, 1, :], out=o[:, :, 1, :])
+        x = out
+        h, stage = 2 * h, stage + 1
     return x
 
 
@@ -454,10 +474,21 @@ class ThcCodec(Codec):
     # -- the pieces -------------------------------------------------------------------------
 
     def _signs(self, lay: _Layout, offset: int, device: torch.device) -> torch.Tensor:
-        """The ±1 diagonal ``D`` at the ``ncodes`` coordinates from global index ``offset``."""
-        keys = hash_keys(self.rotation_seed, 0, _ROTATION_HOP, 0)
-        idx = torch.arange(lay.ncodes, device=device, dtype=torch.int64) + offset
-        return 1.0 - 2.0 * (hash_u32(idx, keys) >> 31).to(torch.float32)
+        """The ±1 diagonal ``D`` at the ``ncodes`` coordinates from global index ``offset``
+        (from a per-process cache of the signs of the indices below :data:`_SIGN_CACHE_MAX`:
+        they depend on ``rotation_seed`` and the index only, and hashing them is most of a
+        rotation's time)."""
+        end = offset + lay.ncodes
+        if end > _SIGN_CACHE_MAX:
+            return _hash_signs(self.rotation_seed, offset, end, device)
+        key = (self.rotation_seed, device)
+        with _SIGN_LOCK:
+            cached = _SIGN_CACHE.get(key)
+            if cached is None or cached.numel() < end:
+                size = min(_SIGN_CACHE_MAX, max(end, 2 * (0 if cached is None else cached.numel())))
+                cached = _hash_signs(self.rotation_seed, 0, size, device).to(torch.int8)
+                _SIGN_CACHE[key] = cached
+        return cached[offset:end].to(torch.float32)
 
     def _rotate(self, x: torch.Tensor, lay: _Layout, offset: int) -> torch.Tensor:
         """``w = H · (D ⊙ x)`` per block (fp32, ``ncodes`` coordinates)."""

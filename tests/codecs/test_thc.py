@@ -129,6 +129,25 @@ def test_fwht_is_the_sylvester_hadamard_matrix(d: int) -> None:
     np.testing.assert_array_equal(fwht(torch.from_numpy(got)).numpy() / d, x)  # H·H = d·I
 
 
+def test_fwht_leaves_its_input_alone() -> None:
+    x = torch.randn(2, 256)
+    before = x.clone()
+    fwht(x)
+    assert torch.equal(x, before)
+
+
+def test_rotation_signs_from_the_cache_match_the_hash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-process sign cache: first use, growth, a hit, and indices past its cap."""
+    monkeypatch.setattr(thc_module, "_SIGN_CACHE", {})
+    monkeypatch.setattr(thc_module, "_SIGN_CACHE_MAX", 4096)
+    codec = ThcCodec(block_size=256, rotation_seed=7)
+    for n, offset in [(300, 5), (1000, 2000), (256, 0), (600, 3900), (100, 3990), (512, 5000)]:
+        lay = codec._layout(n)
+        got = codec._signs(lay, offset, torch.device("cpu")).numpy()
+        np.testing.assert_array_equal(got, ref_signs(lay.ncodes, offset, rotation_seed=7))
+    assert thc_module._SIGN_CACHE[(7, torch.device("cpu"))].numel() == 4096  # grown, then capped
+
+
 # -- the wire format ----------------------------------------------------------------------------
 
 RECIPES = [
