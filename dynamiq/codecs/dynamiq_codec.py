@@ -509,7 +509,10 @@ class DynamiqCodec(Codec):
         # per-coordinate cyclic shift of the hops, shared by all hops and ranks
         shift = hash_u32(idx, hash_keys(ctx.seed, ctx.step, 0xFFFFFFFF, 0xFFFFFFFF)) % h
         stratum = (shift + ctx.hop) % h
-        return (stratum.to(torch.float32) + v) / h
+        # divided by a tensor: an IEEE division on every device (CUDA turns division by a
+        # Python number into a multiplication by its reciprocal, a different rounding)
+        num = stratum.to(torch.float32) + v
+        return num / torch.full_like(num, float(h))
 
     def _dither(
         self, ctx: HopContext, first: int, m: int, length: int, device: torch.device
