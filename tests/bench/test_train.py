@@ -10,14 +10,8 @@ import pytest
 import torch
 
 from dynamiq.bench.cli import main
-from dynamiq.bench.train import (
-    QUICK,
-    TTAConfig,
-    _loopback_job,
-    _steps_to,
-    run_benchmark,
-    train_inprocess,
-)
+from dynamiq.bench.train import QUICK, TTAConfig, _steps_to, run_benchmark, train_inprocess
+from dynamiq.bench.train_ranks import _loopback_job
 from dynamiq.testing.distributed import run_gloo
 
 # the quick model with a small bucket cap, so DDP's rebuilt layout has several buckets
@@ -79,14 +73,15 @@ def test_inprocess_numerics_against_real_ddp_on_four_ranks() -> None:
 
 def _local_terms(cfg: TTAConfig, method: str) -> torch.Tensor:
     """Each worker's first-step gradient as the collective adds it: g / W (bf16: rounded)."""
-    from dynamiq.bench.train import _threads, lm_loss, text_splits, train_batch
+    from dynamiq.bench.ddp_train import lm_loss
+    from dynamiq.bench.train_setup import text_splits, threads, train_batch
     from dynamiq.data.model import build_model
 
     train, _ = text_splits(cfg)
     rows = []
     for w in range(cfg.workers):
         model = build_model(cfg.model_config(), 1)
-        with _threads(1):
+        with threads(1):
             lm_loss(model, train_batch(train, cfg, 1, 0, w)).backward()
         g = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         if method == "bf16":
