@@ -255,6 +255,12 @@ def encode_element(
 
 
 @triton.jit
+def sign_extend(code, BITS: tl.constexpr):
+    """Two's complement value of ``BITS``-bit codes (int32 in ``[0, 2^BITS)``)."""
+    return tl.where(code >= (1 << (BITS - 1)), code - (1 << BITS), code)
+
+
+@triton.jit
 def decode_element(
     code,
     NEXP: tl.constexpr,
@@ -265,8 +271,8 @@ def decode_element(
 ):
     """``ElementFormat.decode`` with integer operations: fp32 value of ``code`` (int32)."""
     if SPECIALS == 3:
-        q = tl.where(code >= (1 << (BITS - 1)), code - (1 << BITS), code)
-        val = q.to(tl.float32) * (2.0**-NMANT)  # exact: |q| <= 2^7, power-of-two factor
+        # exact: |code| <= 2^7, power-of-two factor
+        val = sign_extend(code, BITS).to(tl.float32) * (2.0**-NMANT)
     else:
         mag = code & ((1 << (NEXP + NMANT)) - 1)
         sign = (code >> (NEXP + NMANT)) & 1
@@ -288,6 +294,19 @@ def decode_element(
 
 
 # -- dense LSB-first bit packing of [R, G, 8] tiles (dynamiq.codecs.packing) ------------------
+
+
+@triton.jit
+def program_groups(n, ROWS: tl.constexpr, GPR: tl.constexpr):
+    """Map this program to its ``ROWS`` rows ``[ROWS]`` (int64) of ``GPR`` groups of 8
+    consecutive elements: the groups ``[ROWS, GPR]`` (int64), whether they start below ``n``,
+    the elements ``[ROWS, GPR, 8]`` and whether they are below ``n``."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    grp = row[:, None] * GPR + tl.arange(0, GPR)[None, :]
+    gmask = grp * 8 < n
+    elem = grp[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+    emask = elem < n
+    return row, grp, gmask, elem, emask
 
 
 @triton.jit

@@ -79,7 +79,7 @@ NAN_SCALE: tl.constexpr = tl.constexpr(0xFFFF)
 
 @triton.jit
 def _load_s16(hdr_ptr, sg, mask):
-    """bf16 bits (int32) of the super-group scales ``sg`` of a span header."""
+    """bf16 bits (int32) of the super-group scales ``sg`` of a span header (0 where masked)."""
     lo = tl.load(hdr_ptr + 2 * sg, mask=mask, other=0).to(tl.int32)
     hi = tl.load(hdr_ptr + 2 * sg + 1, mask=mask, other=0).to(tl.int32)
     return lo | (hi << 8)
@@ -106,44 +106,32 @@ def _level_of(s16, e, K: tl.constexpr):
 
 @triton.jit
 def _group_meta(hdr_ptr, ebase, g, mask, tab_ptr, PER_SG: tl.constexpr, K: tl.constexpr):
-    """Of groups ``g`` of a span header: code ``e``, level ``L`` (``DEAD`` if not live),
-    whether live, and the group scale ``fl32(S * step[e mod K]) * 2^-(e div K)``."""
-    sg = g // PER_SG
-    s16 = tl.load(hdr_ptr + 2 * sg, mask=mask, other=0).to(tl.int32)
-    s16 |= tl.load(hdr_ptr + 2 * sg + 1, mask=mask, other=0).to(tl.int32) << 8
+    """Of groups ``g`` of a span header: level ``L`` (``DEAD`` if not live), whether live
+    (masked groups read ``S = 0``: not live), and the group scale."""
+    s16 = _load_s16(hdr_ptr, g // PER_SG, mask)
     e = tl.load(hdr_ptr + ebase + (g >> 1), mask=mask, other=0).to(tl.int32)
     e = (e >> ((g & 1) * 4)) & 15
-    live = (s16 > 0) & (s16 < 0x7F80) & mask
-    eb = (s16 >> 7) & 0xFF
-    sub = (((s16 & 0x7F).to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 260
-    lvl = tl.where(live, K * tl.where(eb > 0, eb - 127, sub) - e, DEAD)
-    step = tl.load(tab_ptr + STEPS_AT + e % K)
-    s = (s16 << 16).to(tl.float32, bitcast=True)
-    scale = (s * step) * ((127 - e // K) << 23).to(tl.float32, bitcast=True)
-    return e, lvl, live, scale
+    lvl, live = _level_of(s16, e, K)
+    return lvl, live, _group_scale((s16 << 16).to(tl.float32, bitcast=True), e, tab_ptr, K)
 
 
 # -- water-filling ----------------------------------------------------------------------------
+# ``Q``: the tuple of the integer priorities ``(Q0, ..., Q7)`` of the next bit at widths 0..7
 
 
 @triton.jit
-def _cost(
-    lvl_ptr,
-    ng,
-    n,
-    tau,
-    G: tl.constexpr,
-    Q0: tl.constexpr,
-    Q1: tl.constexpr,
-    Q2: tl.constexpr,
-    Q3: tl.constexpr,
-    Q4: tl.constexpr,
-    Q5: tl.constexpr,
-    Q6: tl.constexpr,
-    Q7: tl.constexpr,
-    NT: tl.constexpr,
-    BLK: tl.constexpr,
-):
+def _bits_at(p, t, Q):
+    """Bits of groups of level ``p / 8`` at threshold ``t``: how many of the priorities
+    ``p + Q[w]`` of their bits reach ``t``."""
+    cnt = (p + Q[0] >= t).to(tl.int32) + (p + Q[1] >= t).to(tl.int32)
+    cnt += (p + Q[2] >= t).to(tl.int32) + (p + Q[3] >= t).to(tl.int32)
+    cnt += (p + Q[4] >= t).to(tl.int32) + (p + Q[5] >= t).to(tl.int32)
+    cnt += (p + Q[6] >= t).to(tl.int32) + (p + Q[7] >= t).to(tl.int32)
+    return cnt
+
+
+@triton.jit
+def _cost(lvl_ptr, ng, n, tau, G: tl.constexpr, Q, NT: tl.constexpr, BLK: tl.constexpr):
     """Bits the span's groups take at each of the thresholds ``tau`` ``[NT]`` (group levels
     from a scratch row)."""
     acc = tl.zeros([NT], dtype=tl.int32)
@@ -151,11 +139,7 @@ def _cost(
     for gb in range(0, ng, BLK):
         g = gb + tl.arange(0, BLK)
         m = g < ng
-        p = 8 * tl.load(lvl_ptr + g, mask=m, other=DEAD)[:, None]
-        cnt = (p + Q0 >= t).to(tl.int32) + (p + Q1 >= t).to(tl.int32)
-        cnt += (p + Q2 >= t).to(tl.int32) + (p + Q3 >= t).to(tl.int32)
-        cnt += (p + Q4 >= t).to(tl.int32) + (p + Q5 >= t).to(tl.int32)
-        cnt += (p + Q6 >= t).to(tl.int32) + (p + Q7 >= t).to(tl.int32)
+        cnt = _bits_at(8 * tl.load(lvl_ptr + g, mask=m, other=DEAD)[:, None], t, Q)
         size = tl.where(m, tl.minimum(n - g * G, G), 0)
         acc += tl.sum(cnt * size[:, None], axis=0)
     return acc
@@ -171,14 +155,7 @@ def _search(
     lmax,
     any_live,
     G: tl.constexpr,
-    Q0: tl.constexpr,
-    Q1: tl.constexpr,
-    Q2: tl.constexpr,
-    Q3: tl.constexpr,
-    Q4: tl.constexpr,
-    Q5: tl.constexpr,
-    Q6: tl.constexpr,
-    Q7: tl.constexpr,
+    Q,
     QMIN: tl.constexpr,
     QMAX: tl.constexpr,
     NT: tl.constexpr,
@@ -194,7 +171,7 @@ def _search(
     i = tl.arange(0, NT)
     while lo < hi:
         cand = lo + ((hi - lo) * (i + 1)) // (NT + 1)  # lo <= cand < hi, non-decreasing
-        cost = _cost(lvl_ptr, ng, n, cand, G, Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, NT, BLK)
+        cost = _cost(lvl_ptr, ng, n, cand, G, Q, NT, BLK)
         first = tl.min(tl.where(cost <= budget, i, NT), axis=0)  # the fitting ones: a suffix
         hi = tl.where(first < NT, tl.sum(tl.where(i == first, cand, 0), axis=0), hi)
         used = tl.where(first < NT, tl.sum(tl.where(i == first, cost, 0), axis=0), used)
@@ -203,63 +180,69 @@ def _search(
 
 
 @triton.jit
-def _header_levels(
+def _header_allocation(
     hdr_ptr,
     lvl_ptr,
     tab_ptr,
     nsg,
     ng,
+    n,
+    budget,
+    G: tl.constexpr,
     PER_SG: tl.constexpr,
     K: tl.constexpr,
+    Q,
+    QMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    NT: tl.constexpr,
     BLK: tl.constexpr,
 ):
-    """Levels of a received span's groups into a scratch row; ``(Lmin, Lmax, any live)``."""
+    """``(tau, leftover)`` of a received pooled span: the levels of its groups from its
+    header into a scratch row, then :func:`_search` over them."""
     lmin = tl.full([], 1 << 20, tl.int32)
     lmax = tl.full([], -(1 << 20), tl.int32)
     for gb in range(0, ng, BLK):
         g = gb + tl.arange(0, BLK)
         m = g < ng
-        _, lvl, live, _ = _group_meta(hdr_ptr, 2 * nsg, g, m, tab_ptr, PER_SG, K)
+        lvl, live, _ = _group_meta(hdr_ptr, 2 * nsg, g, m, tab_ptr, PER_SG, K)
         tl.store(lvl_ptr + g, lvl, mask=m)
         lmin = tl.minimum(lmin, tl.min(tl.where(live, lvl, 1 << 20), axis=0))
         lmax = tl.maximum(lmax, tl.max(tl.where(live, lvl, -(1 << 20)), axis=0))
-    return lmin, lmax, lmin <= lmax
+    tl.debug_barrier()
+    return _search(lvl_ptr, ng, n, budget, lmin, lmax, lmin <= lmax, G, Q, QMIN, QMAX, NT, BLK)
 
 
 @triton.jit
 def _tile_widths(
-    lvl,
-    live,
+    hdr_ptr,
+    ebase,
+    tab_ptr,
+    g,
+    greal,
     size,
     tau,
     left,
     flat,
     rise_c,
     bit_c,
+    K: tl.constexpr,
+    PER_SG: tl.constexpr,
     POOLED: tl.constexpr,
-    Q0: tl.constexpr,
-    Q1: tl.constexpr,
-    Q2: tl.constexpr,
-    Q3: tl.constexpr,
-    Q4: tl.constexpr,
-    Q5: tl.constexpr,
-    Q6: tl.constexpr,
-    Q7: tl.constexpr,
+    Q,
     BSG: tl.constexpr,
     CG: tl.constexpr,
 ):
-    """Widths and bit offsets of a tile's groups ``[BSG, CG]`` (in index order), carrying
-    the leftover prefix ``rise_c`` and the bit offset ``bit_c`` from the previous tiles."""
+    """Scales, widths and bit offsets of a tile's groups ``[BSG, CG]`` (in index order) from
+    their span header, carrying the leftover prefix ``rise_c`` and the bit offset ``bit_c``
+    from the previous tiles."""
+    lvl, live, scale = _group_meta(hdr_ptr, ebase, g, greal, tab_ptr, PER_SG, K)
     if POOLED:
         p = 8 * lvl
-        wb = (p + Q0 >= tau).to(tl.int32) + (p + Q1 >= tau).to(tl.int32)
-        wb += (p + Q2 >= tau).to(tl.int32) + (p + Q3 >= tau).to(tl.int32)
-        wb += (p + Q4 >= tau).to(tl.int32) + (p + Q5 >= tau).to(tl.int32)
-        wb += (p + Q6 >= tau).to(tl.int32) + (p + Q7 >= tau).to(tl.int32)
+        wb = _bits_at(p, tau, Q)
         # Q[min(wb, 7)]: the priority of the next bit
-        qn = tl.where(wb == 0, Q0, tl.where(wb == 1, Q1, tl.where(wb == 2, Q2, Q3)))
-        qn = tl.where(wb >= 4, tl.where(wb == 4, Q4, tl.where(wb == 5, Q5, Q6)), qn)
-        qn = tl.where(wb >= 7, Q7, qn)
+        qn = tl.where(wb == 0, Q[0], tl.where(wb == 1, Q[1], tl.where(wb == 2, Q[2], Q[3])))
+        qn = tl.where(wb >= 4, tl.where(wb == 4, Q[4], tl.where(wb == 5, Q[5], Q[6])), qn)
+        qn = tl.where(wb >= 7, Q[7], qn)
         rising = live & (wb < 8) & (p + qn == tau - 1)
         rs = tl.where(rising, size, 0)
         cum = tl.reshape(tl.cumsum(tl.reshape(rs, [BSG * CG]), 0), [BSG, CG]) + rise_c
@@ -271,10 +254,33 @@ def _tile_widths(
     incl = tl.reshape(tl.cumsum(tl.reshape(nbits, [BSG * CG]), 0), [BSG, CG])
     off = incl - nbits + bit_c
     bit_c = bit_c + tl.sum(tl.sum(nbits, axis=1), axis=0)
-    return w, off, rise_c, bit_c
+    return scale, w, off, rise_c, bit_c
 
 
-# -- tiles ------------------------------------------------------------------------------------
+# -- spans and tiles --------------------------------------------------------------------------
+
+
+@triton.jit
+def _map_span(numel, SPAN: tl.constexpr, SG: tl.constexpr, G: tl.constexpr):
+    """Map program -> one span: its index (int64), first element, values, whether it is the
+    last span, its groups, super-groups, the offset of its group codes and its header bytes."""
+    span = tl.program_id(0).to(tl.int64)
+    start = span * SPAN
+    n = tl.minimum(numel - start, SPAN).to(tl.int32)
+    last = start + SPAN >= numel
+    ng = (n + G - 1) // G
+    nsg = (n + SG - 1) // SG
+    ebase = 2 * nsg
+    return span, start, n, last, ng, nsg, ebase, ebase + (ng * 4 + 7) // 8
+
+
+@triton.jit
+def _span_body(span_ptr, hbytes, last, budget_full, budget_last, n):
+    """The body of a span payload: its container bits (the last span's may differ), its first
+    byte, its bytes, and the width of every live group when not pooled."""
+    budget = tl.where(last, budget_last, budget_full)
+    flat = tl.minimum(budget // tl.maximum(n, 1), 8)
+    return budget, span_ptr + hbytes, (budget + 7) // 8, flat
 
 
 @triton.jit
@@ -303,43 +309,10 @@ def _tile_groups(
 
 
 @triton.jit
-def _decode_tile(
-    hdr_ptr,
-    ebase,
-    body_ptr,
-    nbody,
-    tab_ptr,
-    g,
-    greal,
-    size,
-    jj,
-    ereal,
-    tau,
-    left,
-    flat,
-    rise_c,
-    bit_c,
-    K: tl.constexpr,
-    PER_SG: tl.constexpr,
-    POOLED: tl.constexpr,
-    Q0: tl.constexpr,
-    Q1: tl.constexpr,
-    Q2: tl.constexpr,
-    Q3: tl.constexpr,
-    Q4: tl.constexpr,
-    Q5: tl.constexpr,
-    Q6: tl.constexpr,
-    Q7: tl.constexpr,
-    BSG: tl.constexpr,
-    CG: tl.constexpr,
-):
-    """Decoded fp32 values ``[BSG, CG, GP]`` of a tile of a span payload: ``level * s``
-    (``0 * s`` for width 0, so a NaN or Inf scale decodes to NaN)."""
-    _, lvl, live, scale = _group_meta(hdr_ptr, ebase, g, greal, tab_ptr, PER_SG, K)
-    w, off, rise_c, bit_c = _tile_widths(
-        lvl, live, size, tau, left, flat, rise_c, bit_c, POOLED,
-        Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, BSG, CG,
-    )  # fmt: skip
+def _unpack_tile(body_ptr, nbody, tab_ptr, scale, w, off, jj, ereal):
+    """Decoded fp32 values ``[BSG, CG, GP]`` of a tile of a span body, from its groups'
+    scales, widths and bit offsets (:func:`_tile_widths`): ``level * s`` (``0 * s`` for width
+    0, so a NaN or Inf scale decodes to NaN)."""
     w3 = w[:, :, None]
     pos = off[:, :, None] + jj * w3
     m = ereal & (w3 > 0)
@@ -348,7 +321,48 @@ def _decode_tile(
     b1 = tl.load(body_ptr + byte + 1, mask=m & (byte + 1 < nbody), other=0).to(tl.int32)
     code = ((b0 | (b1 << 8)) >> (pos & 7)) & ((1 << w3) - 1)
     level = tl.load(tab_ptr + (1 << w3) - 2 + code, mask=m, other=0.0)
-    return level * scale[:, :, None], rise_c, bit_c
+    return level * scale[:, :, None]
+
+
+@triton.jit
+def _tile_values(
+    x_ptr,
+    in_ptr,
+    ebase,
+    in_body,
+    in_nbody,
+    tab_ptr,
+    sgb,
+    c,
+    n,
+    ng,
+    in_tau,
+    in_left,
+    in_flat,
+    in_rise,
+    in_bit,
+    FUSED: tl.constexpr,
+    IN_KIND: tl.constexpr,
+    G: tl.constexpr,
+    PER_SG: tl.constexpr,
+    GP: tl.constexpr,
+    K: tl.constexpr,
+    POOLED: tl.constexpr,
+    Q,
+    BSG: tl.constexpr,
+    CG: tl.constexpr,
+):
+    """A tile (:func:`_tile_groups`) and its fp32 values: ``x``, or (``FUSED``) the decoded
+    incoming span plus ``x``, carrying the incoming span's ``in_rise`` and ``in_bit``."""
+    g, greal, size, jj, el, ereal = _tile_groups(sgb, c, n, ng, G, PER_SG, GP, BSG, CG)
+    v = load_f32(x_ptr, el, ereal, IN_KIND)
+    if FUSED:
+        scale, w, off, in_rise, in_bit = _tile_widths(
+            in_ptr, ebase, tab_ptr, g, greal, size, in_tau, in_left, in_flat, in_rise, in_bit, K,
+            PER_SG, POOLED, Q, BSG, CG,
+        )  # fmt: skip
+        v = _unpack_tile(in_body, in_nbody, tab_ptr, scale, w, off, jj, ereal) + v
+    return g, greal, size, jj, el, ereal, v, in_rise, in_bit
 
 
 @triton.jit
@@ -449,42 +463,28 @@ def _dq_encode_kernel(
     # (L2-resident): 8 / G written and read, and the packer's run sums (~bits / 2)
 
     # -- map program -> one span
-    pid = tl.program_id(0)
-    start = pid.to(tl.int64) * SPAN
-    n = tl.minimum(numel - start, SPAN).to(tl.int32)
-    last = start + SPAN >= numel
-    ng = (n + G - 1) // G
-    nsg = (n + SG - 1) // SG
-    ebase = 2 * nsg
-    hbytes = ebase + (ng * 4 + 7) // 8
+    span, start, n, last, ng, nsg, ebase, hbytes = _map_span(numel, SPAN, SG, G)
     x_span = x_ptr + start
-    budget = tl.where(last, out_budget_last, out_budget)
-    nbody = (budget + 7) // 8
-    out = out_ptr + pid.to(tl.int64) * out_span_bytes
-    body = out + hbytes
-    stat = stat_ptr + pid.to(tl.int64) * NG
+    out = out_ptr + span * out_span_bytes
+    budget, body, nbody, flat = _span_body(out, hbytes, last, out_budget, out_budget_last, n)
+    stat = stat_ptr + span * NG
     NE: tl.constexpr = BSG * CG * GP
-    pack = pack_ptr + pid.to(tl.int64) * (NE + 2)
-    flat = tl.minimum(budget // tl.maximum(n, 1), 8)
+    pack = pack_ptr + span * (NE + 2)
     zero = tl.full([], 0, tl.int32)
+    Q = (Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7)
 
     # -- 1. the incoming span's allocation (FUSED)
-    inp = in_ptr + pid.to(tl.int64) * in_span_bytes
-    in_budget_n = tl.where(last, in_budget_last, in_budget)
-    in_body = inp + hbytes
-    in_nbody = (in_budget_n + 7) // 8
-    in_flat = tl.minimum(in_budget_n // tl.maximum(n, 1), 8)
+    inp = in_ptr + span * in_span_bytes
+    in_budget_n, in_body, in_nbody, in_flat = _span_body(
+        inp, hbytes, last, in_budget, in_budget_last, n
+    )
     in_tau = zero
     in_left = zero
-    if FUSED:
-        lin = lin_ptr + pid.to(tl.int64) * NG
-        if POOLED:
-            lmin, lmax, any_live = _header_levels(inp, lin, tab_ptr, nsg, ng, PER_SG, K, BLK)
-            tl.debug_barrier()
-            in_tau, in_left = _search(
-                lin, ng, n, in_budget_n, lmin, lmax, any_live, G,
-                Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, QMIN, QMAX, NT, BLK,
-            )  # fmt: skip
+    if FUSED and POOLED:
+        in_tau, in_left = _header_allocation(
+            inp, lin_ptr + span * NG, tab_ptr, nsg, ng, n, in_budget_n, G, PER_SG, K, Q, QMIN,
+            QMAX, NT, BLK,
+        )  # fmt: skip
 
     # -- 2a. statistics: group absmax (scratch), super-group scales (output header)
     in_rise = zero
@@ -492,16 +492,11 @@ def _dq_encode_kernel(
     for sgb in range(0, nsg, BSG):
         amax = tl.zeros([BSG], dtype=tl.int32)
         for c in range(NCH):
-            g, greal, size, jj, el, ereal = _tile_groups(sgb, c, n, ng, G, PER_SG, GP, BSG, CG)
             # -- load with mask: fp32 values (fused: decoded partial sum + local)
-            v = load_f32(x_span, el, ereal, IN_KIND)
-            if FUSED:
-                partial, in_rise, in_bit = _decode_tile(
-                    inp, ebase, in_body, in_nbody, tab_ptr, g, greal, size, jj, ereal,
-                    in_tau, in_left, in_flat, in_rise, in_bit, K, PER_SG, POOLED,
-                    Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, BSG, CG,
-                )  # fmt: skip
-                v = partial + v
+            g, greal, size, jj, el, ereal, v, in_rise, in_bit = _tile_values(
+                x_span, inp, ebase, in_body, in_nbody, tab_ptr, sgb, c, n, ng, in_tau, in_left,
+                in_flat, in_rise, in_bit, FUSED, IN_KIND, G, PER_SG, GP, K, POOLED, Q, BSG, CG,
+            )  # fmt: skip
             # -- compute: integer max of the magnitude bits (NaN > Inf > finite)
             mag = tl.where(ereal, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
             ag = tl.max(mag, axis=2)
@@ -546,9 +541,8 @@ def _dq_encode_kernel(
     left = zero
     if POOLED:
         tau, left = _search(
-            stat, ng, n, budget, lmin, lmax, lmin <= lmax, G,
-            Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, QMIN, QMAX, NT, BLK,
-        )  # fmt: skip
+            stat, ng, n, budget, lmin, lmax, lmin <= lmax, G, Q, QMIN, QMAX, NT, BLK
+        )
 
     # -- 3. the values again: widths, offsets, quantize, pack
     in_rise = zero
@@ -561,24 +555,18 @@ def _dq_encode_kernel(
     lane = tl.arange(0, NE)
     for sgb in range(0, nsg, BSG):
         for c in range(NCH):
-            g, greal, size, jj, el, ereal = _tile_groups(sgb, c, n, ng, G, PER_SG, GP, BSG, CG)
             # -- load with mask: the values, as in 2a
-            v = load_f32(x_span, el, ereal, IN_KIND)
-            if FUSED:
-                partial, in_rise, in_bit = _decode_tile(
-                    inp, ebase, in_body, in_nbody, tab_ptr, g, greal, size, jj, ereal,
-                    in_tau, in_left, in_flat, in_rise, in_bit, K, PER_SG, POOLED,
-                    Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, BSG, CG,
-                )  # fmt: skip
-                v = partial + v
-            # -- compute: the groups' scales and widths, then the level indices
-            _, lvl, live, scale = _group_meta(out, ebase, g, greal, tab_ptr, PER_SG, K)
+            g, greal, size, jj, el, ereal, v, in_rise, in_bit = _tile_values(
+                x_span, inp, ebase, in_body, in_nbody, tab_ptr, sgb, c, n, ng, in_tau, in_left,
+                in_flat, in_rise, in_bit, FUSED, IN_KIND, G, PER_SG, GP, K, POOLED, Q, BSG, CG,
+            )  # fmt: skip
             k0 = bit >> 3
             # -- store: the byte the previous tile ended in, when this tile starts past it
             tl.store(body + kc, ((crun & 0xFF) | (cprev >> 8)).to(tl.uint8), mask=k0 != kc)
-            w, off, rise, bit = _tile_widths(
-                lvl, live, size, tau, left, flat, rise, bit, POOLED,
-                Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, BSG, CG,
+            # -- compute: the groups' scales and widths, then the level indices
+            scale, w, off, rise, bit = _tile_widths(
+                out, ebase, tab_ptr, g, greal, size, tau, left, flat, rise, bit, K, PER_SG,
+                POOLED, Q, BSG, CG,
             )  # fmt: skip
             w3 = tl.where(ereal, w[:, :, None], 0)
             idx = offset + start + el
@@ -662,30 +650,19 @@ def _dq_decode_kernel(
     # scratch: 4 / G written and read
 
     # -- map program -> one span
-    pid = tl.program_id(0)
-    start = pid.to(tl.int64) * SPAN
-    n = tl.minimum(numel - start, SPAN).to(tl.int32)
-    last = start + SPAN >= numel
-    ng = (n + G - 1) // G
-    nsg = (n + SG - 1) // SG
-    ebase = 2 * nsg
-    inp = in_ptr + pid.to(tl.int64) * in_span_bytes
-    budget = tl.where(last, in_budget_last, in_budget)
-    body = inp + ebase + (ng * 4 + 7) // 8
-    nbody = (budget + 7) // 8
-    flat = tl.minimum(budget // tl.maximum(n, 1), 8)
+    span, start, n, last, ng, nsg, ebase, hbytes = _map_span(numel, SPAN, SG, G)
+    inp = in_ptr + span * in_span_bytes
+    budget, body, nbody, flat = _span_body(inp, hbytes, last, in_budget, in_budget_last, n)
     zero = tl.full([], 0, tl.int32)
+    Q = (Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7)
 
     # -- compute: the span's allocation from its header
     tau = zero
     left = zero
     if POOLED:
-        lin = lin_ptr + pid.to(tl.int64) * NG
-        lmin, lmax, any_live = _header_levels(inp, lin, tab_ptr, nsg, ng, PER_SG, K, BLK)
-        tl.debug_barrier()
-        tau, left = _search(
-            lin, ng, n, budget, lmin, lmax, any_live, G,
-            Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, QMIN, QMAX, NT, BLK,
+        tau, left = _header_allocation(
+            inp, lin_ptr + span * NG, tab_ptr, nsg, ng, n, budget, G, PER_SG, K, Q, QMIN, QMAX,
+            NT, BLK,
         )  # fmt: skip
 
     # -- load with mask, compute, store: the values, tile by tile
@@ -694,10 +671,11 @@ def _dq_decode_kernel(
     for sgb in range(0, nsg, BSG):
         for c in range(NCH):
             g, greal, size, jj, el, ereal = _tile_groups(sgb, c, n, ng, G, PER_SG, GP, BSG, CG)
-            v, rise, bit = _decode_tile(
-                inp, ebase, body, nbody, tab_ptr, g, greal, size, jj, ereal, tau, left,
-                flat, rise, bit, K, PER_SG, POOLED, Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7, BSG, CG,
+            scale, w, off, rise, bit = _tile_widths(
+                inp, ebase, tab_ptr, g, greal, size, tau, left, flat, rise, bit, K, PER_SG,
+                POOLED, Q, BSG, CG,
             )  # fmt: skip
+            v = _unpack_tile(body, nbody, tab_ptr, scale, w, off, jj, ereal)
             tl.store(out_ptr + start + el, v, mask=ereal)
 
 

@@ -49,6 +49,8 @@ from ._common import (
     hash_u32,
     load_codes,
     load_f32,
+    program_groups,
+    sign_extend,
     store_codes,
     tile_elems,
     uniform_open01,
@@ -154,6 +156,13 @@ def _store_scale(ptr, blk, mask, stored, SB: tl.constexpr):
 
 
 @triton.jit
+def _int_dequantize(stream_ptr, grp, gmask, elem, emask, nbytes, scale, BITS: tl.constexpr):
+    """fp32 values ``code * scale`` of the elements ``elem`` of a packed code stream."""
+    raw = load_codes(stream_ptr, grp, gmask, elem, emask, nbytes, BITS)
+    return sign_extend(raw, BITS).to(tl.float32) * scale
+
+
+@triton.jit
 def _int_values(
     x_ptr,
     in_ptr,
@@ -171,9 +180,10 @@ def _int_values(
     """fp32 values of ``elem``: ``x``, or (FUSED) ``decode(in payload) + local``."""
     v = load_f32(x_ptr, elem, emask, IN_KIND)
     if FUSED:
-        raw = load_codes(in_ptr + stream_off, grp, gmask, elem, emask, nbytes, BITS)
-        code = tl.where(raw >= (1 << (BITS - 1)), raw - (1 << BITS), raw)
-        v = code.to(tl.float32) * in_scale + v
+        partial = _int_dequantize(
+            in_ptr + stream_off, grp, gmask, elem, emask, nbytes, in_scale, BITS
+        )
+        v = partial + v
     return v
 
 
@@ -304,17 +314,10 @@ def _int_decode_kernel(
     # bytes moved per element: (BITS / 8 + SB / BS) read, 4 written
 
     # -- map program -> groups [ROWS, 8], elements [ROWS, 8, 8]
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    grp = row[:, None] * 8 + tl.arange(0, 8)[None, :]
-    gmask = grp * 8 < n
-    elem = grp[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    emask = elem < n
-    # -- load with mask: each value's code and its block's scale
+    _, grp, gmask, elem, emask = program_groups(n, ROWS, 8)
+    # -- load with mask: each value's code and its block's scale; compute in fp32: code * scale
     scale = _load_scale(in_ptr, elem // BS, emask, FMT, SB)
-    raw = load_codes(in_ptr + nblocks * SB, grp, gmask, elem, emask, nbytes, BITS)
-    # -- compute in fp32: code * scale
-    code = tl.where(raw >= (1 << (BITS - 1)), raw - (1 << BITS), raw)
-    v = code.to(tl.float32) * scale
+    v = _int_dequantize(in_ptr + nblocks * SB, grp, gmask, elem, emask, nbytes, scale, BITS)
     # -- store with mask
     tl.store(out_ptr + elem, v, mask=emask)
 
@@ -400,11 +403,7 @@ def _int_quantize_kernel(
     # huge blocks, pass 2 of 2: values in (+ incoming payload) + (BITS / 8) out per element
 
     # -- map program -> groups [ROWS, 8], elements [ROWS, 8, 8]
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    grp = row[:, None] * 8 + tl.arange(0, 8)[None, :]
-    gmask = grp * 8 < n
-    elem = grp[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    emask = elem < n
+    _, grp, gmask, elem, emask = program_groups(n, ROWS, 8)
     # -- load with mask: values again, and the block scales pass 1 stored
     in_scale = tl.zeros([ROWS, 8, 8], dtype=tl.float32)
     if FUSED:

@@ -29,6 +29,7 @@ from ._common import (
     f32_to_bits,
     load_codes,
     load_f32,
+    program_groups,
     store_codes,
     tile_elems,
     value_view,
@@ -92,13 +93,8 @@ def _mx_encode_kernel(
     # FUSED adds (BITS / 8 + 1 / 32) read for the incoming payload
 
     # -- map program -> blocks [ROWS], groups [ROWS, 4], elements [ROWS, 4, 8]
-    pid = tl.program_id(0)
-    blk = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    blk, grp, gmask, elem, emask = program_groups(n, ROWS, 4)
     bmask = blk < nblocks
-    grp = blk[:, None] * 4 + tl.arange(0, 4)[None, :]
-    gmask = grp * 8 < n
-    elem = grp[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    emask = elem < n
 
     # -- load with mask: the fp32 values (fused: decoded partial sum + local)
     v = load_f32(x_ptr, elem, emask, IN_KIND)
@@ -144,14 +140,9 @@ def _mx_decode_kernel(
 ):
     # bytes moved per element: (BITS / 8 + 1 / 32) read, 4 written
 
-    # -- map program -> blocks
-    pid = tl.program_id(0)
-    blk = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    # -- map program -> blocks [ROWS], groups [ROWS, 4], elements [ROWS, 4, 8]
+    blk, grp, gmask, elem, emask = program_groups(n, ROWS, 4)
     bmask = blk < nblocks
-    grp = blk[:, None] * 4 + tl.arange(0, 4)[None, :]
-    gmask = grp * 8 < n
-    elem = grp[:, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-    emask = elem < n
     # -- load with mask and compute in fp32
     v = _mx_decode_tile(
         in_ptr, blk, bmask, grp, gmask, elem, emask, nblocks, nbytes, NEXP, NMANT, BIAS, BITS,

@@ -8,62 +8,36 @@ values) so that Triton's interpreter runs every configuration in seconds; two te
 default configuration (spans of 65536) on real gradients.
 
 Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` is set before
-Triton is imported and while these tests run); with CUDA the same tests run natively
-(``-m gpu`` selects them).
+Triton is imported and while these tests run: ``kernel_harness.py``); with CUDA the same
+tests run natively (``-m gpu`` selects them).
 """
 
 from __future__ import annotations
 
-import os
+import functools
 from typing import Any
 
 import pytest
 import torch
+from kernel_harness import (
+    DEVICE,
+    assert_bytes_equal,
+    assert_values_equal,
+    cycle_blocks,
+    interpreted_imports,
+)
+from kernel_harness import both as _both
+from kernel_harness import random_values as _random_values
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-# Triton decides at import whether @triton.jit functions (its own too) are interpreted
-_saved = os.environ.get("TRITON_INTERPRET")
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton = pytest.importorskip(
-        "triton", reason="the kernel tests need Triton >= 3.6 (pip install 'triton>=3.6')"
-    )
-    import triton.language as tl
-
+with interpreted_imports():
     import dynamiq.kernels as K
     from dynamiq.kernels import dynamiq as kdyn
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
-if DEVICE == "cpu" and type(tl.zeros).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "Triton was imported in compiled mode before this module could set TRITON_INTERPRET=1: "
-        "run the kernel tests first or on their own (or with TRITON_INTERPRET=1 set)",
-        allow_module_level=True,
-    )
 
-from dynamiq.codecs import HopContext, get_codec  # noqa: E402
-from dynamiq.codecs.dynamiq_codec import DynamiqCodec, level_table  # noqa: E402
-from dynamiq.data import load_slice  # noqa: E402
+from dynamiq.codecs import HopContext, get_codec
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec, level_table
+from dynamiq.data import load_slice
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_mode() -> Any:
-    """Keep ``TRITON_INTERPRET=1`` while these tests run (Triton imports parts of itself
-    lazily and checks the mode then); the rest of the suite runs without it."""
-    if DEVICE != "cpu":
-        yield
-        return
-    patch = pytest.MonkeyPatch()
-    patch.setenv("TRITON_INTERPRET", "1")
-    yield
-    patch.undo()
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("triton_interpreter")]
 
 
 SMALL = {"id": "dynamiq", "span": 1024, "super_group": 256, "group": 16}
@@ -105,41 +79,13 @@ CTX_PAIRS = (
 
 # -- comparisons ------------------------------------------------------------------------------
 
-
-def assert_values_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """fp32 tensors: identical bits, NaN compared by position."""
-    got, want = got.cpu(), want.cpu()
-    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, what
-    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
-    assert torch.equal(nan_g, nan_w), f"{what}: NaN positions differ"
-    g = torch.where(nan_g, 0.0, got).view(torch.int32)
-    w = torch.where(nan_w, 0.0, want).view(torch.int32)
-    if not torch.equal(g, w):
-        i = int((g != w).nonzero()[0, 0])
-        raise AssertionError(f"{what}: value {i} differs: {got[i].item()!r} != {want[i].item()!r}")
-
-
-def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    got, want = got.cpu(), want.cpu()
-    assert got.dtype == want.dtype == torch.uint8 and got.shape == want.shape, what
-    if not torch.equal(got, want):
-        i = int((got != want).nonzero()[0, 0])
-        raise AssertionError(f"{what}: byte {i} of {got.numel()} differs: {got[i]} != {want[i]}")
-
-
 _KERNEL = {K.encode: "_dq_encode_kernel", K.reduce: "_dq_encode_kernel"}
 _KERNEL[K.decode] = "_dq_decode_kernel"
 
 
 def both(fn: Any, *args: Any) -> tuple[Any, Any]:
-    """``fn`` on the reference and on Triton (forced), with a proof that the kernel ran."""
-    want = fn(*args, backend="reference")
-    assert K.last_backend() == "reference"
-    before = K.launch_counts().get(_KERNEL[fn], 0)
-    got = fn(*args, backend="triton")
-    assert K.last_backend() == "triton"
-    assert K.launch_counts().get(_KERNEL[fn], 0) == before + 1, "the kernel did not launch"
-    return got, want
+    """``fn`` on the reference and on Triton (forced), with a proof that its kernel ran."""
+    return _both(fn, *args, kernel=_KERNEL[fn])
 
 
 def check_all(
@@ -159,14 +105,8 @@ def check_all(
 # -- inputs -----------------------------------------------------------------------------------
 
 
-def random_values(n: int, seed: int) -> torch.Tensor:
-    """Heavy-tailed magnitudes (a normal times 2^-20 .. 2^20), zeros, powers of two."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g, dtype=torch.float64)
-    x = x * torch.exp2(torch.randint(-20, 21, (n,), generator=g).double())
-    x[::13] = 0.0
-    x[5::17] = torch.exp2(torch.randint(-20, 20, (len(x[5::17]),), generator=g).double())
-    return x.float()
+#: heavy-tailed magnitudes (a normal times 2^-20 .. 2^20), zeros, powers of two
+random_values = functools.partial(_random_values, spread=20)
 
 
 def _midpoints() -> torch.Tensor:
@@ -205,11 +145,7 @@ def edge_values(n: int, block: int, seed: int) -> torch.Tensor:
         lambda m: torch.full((m,), 0.3),
         lambda m: mid.repeat(-(-m // mid.numel()))[:m],
     ]
-    parts, k = [], 0
-    while sum(p.numel() for p in parts) < n:
-        parts.append(kinds[k % len(kinds)](block).float())
-        k += 1
-    return torch.cat(parts)[:n] if parts else torch.zeros(0)
+    return cycle_blocks(kinds, n, block)
 
 
 # -- every configuration ----------------------------------------------------------------------

@@ -9,9 +9,9 @@ multiply returns is the hardware's choice; every NaN a codec *writes* (scales, c
 values) is canonical and compares byte for byte.
 
 On a machine without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
-set here before Triton is imported and while these tests run, unset for the rest of the
-suite, which keeps the CPU reference); with CUDA the same tests run natively (``-m gpu``
-selects them).
+set before Triton is imported and while these tests run, unset for the rest of the suite,
+which keeps the CPU reference: ``kernel_harness.py``); with CUDA the same tests run natively
+(``-m gpu`` selects them).
 """
 
 from __future__ import annotations
@@ -25,17 +25,18 @@ from typing import Any
 
 import pytest
 import torch
+from kernel_harness import (
+    DEVICE,
+    assert_bytes_equal,
+    assert_values_equal,
+    both,
+    cycle_blocks,
+    interpreted_imports,
+    random_values,
+)
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-# Triton decides at import whether @triton.jit functions (its own too) are interpreted
-_saved = os.environ.get("TRITON_INTERPRET")
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton = pytest.importorskip(
-        "triton", reason="the kernel tests need Triton >= 3.6 (pip install 'triton>=3.6')"
-    )
+with interpreted_imports():
+    import triton
     import triton.language as tl
 
     from dynamiq.kernels import _common
@@ -43,18 +44,7 @@ try:
     from dynamiq.kernels import intq as kintq
     from dynamiq.kernels import mx as kmx
     from dynamiq.kernels import passthrough as kpass
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
 KERNEL_MODULES = (_common, khash, kintq, kmx, kpass)  # imported above, in the right mode
-if DEVICE == "cpu" and type(tl.zeros).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "Triton was imported in compiled mode before this module could set TRITON_INTERPRET=1: "
-        "run the kernel tests first or on their own (or with TRITON_INTERPRET=1 set)",
-        allow_module_level=True,
-    )
 
 import dynamiq.kernels as K  # noqa: E402
 from dynamiq.codecs import Codec, HopContext, get_codec, list_codecs  # noqa: E402
@@ -62,20 +52,7 @@ from dynamiq.codecs.formats import ELEMENT_FORMATS, ElementFormat  # noqa: E402
 from dynamiq.codecs.hashing import hash_keys, hash_u32, uniform_open01  # noqa: E402
 from dynamiq.codecs.passthrough import FP32Codec  # noqa: E402
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_mode() -> Any:
-    """Keep ``TRITON_INTERPRET=1`` while these tests run (Triton imports parts of itself
-    lazily and checks the mode then); the rest of the suite runs without it."""
-    if DEVICE != "cpu":
-        yield
-        return
-    patch = pytest.MonkeyPatch()
-    patch.setenv("TRITON_INTERPRET", "1")
-    yield
-    patch.undo()
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("triton_interpreter")]
 
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
@@ -121,60 +98,16 @@ CTXS = (
 # -- comparisons ------------------------------------------------------------------------------
 
 
-def assert_values_equal(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    """fp32 tensors: identical bits, NaN compared by position."""
-    assert got.dtype == want.dtype == torch.float32, what
-    assert got.shape == want.shape, what
-    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
-    assert torch.equal(nan_g, nan_w), f"{what}: NaN positions differ"
-    g = torch.where(nan_g, 0.0, got).view(torch.int32)
-    w = torch.where(nan_w, 0.0, want).view(torch.int32)
-    if not torch.equal(g, w):
-        i = int((g != w).nonzero()[0, 0])
-        raise AssertionError(f"{what}: value {i} differs: {got[i].item()!r} != {want[i].item()!r}")
-
-
 def assert_payload_equal(codec: Codec, got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """Payloads: identical bytes (``fp32`` payloads hold fp32 sums: NaN by position)."""
     assert got.dtype == torch.uint8 and got.shape == want.shape, what
     if isinstance(codec, FP32Codec):
         assert_values_equal(got.view(torch.float32), want.view(torch.float32), what)
-    elif not torch.equal(got, want):
-        i = int((got != want).nonzero()[0, 0])
-        raise AssertionError(f"{what}: byte {i} differs: {int(got[i])} != {int(want[i])}")
-
-
-def both(fn: Any, *args: Any, **kw: Any) -> tuple[Any, Any]:
-    """``fn`` on the reference and on Triton (forced); the same ``ValueError`` or two results,
-    and a proof that the Triton path ran."""
-    before = K.launch_counts()
-    try:
-        want = fn(*args, **kw, backend="reference")
-    except ValueError as exc:
-        with pytest.raises(ValueError) as info:
-            fn(*args, **kw, backend="triton")
-        assert str(info.value) == str(exc)
-        return None, None
-    assert K.last_backend() == "reference"
-    got = fn(*args, **kw, backend="triton")
-    assert K.last_backend() == "triton"
-    n = args[2] if fn is K.decode else args[2 if fn is K.reduce else 1].numel()
-    if n:
-        assert sum(K.launch_counts().values()) > sum(before.values()), "no kernel launched"
-    return got, want
+    else:
+        assert_bytes_equal(got, want, what)
 
 
 # -- inputs -----------------------------------------------------------------------------------
-
-
-def random_values(n: int, seed: int, max_abs: float) -> torch.Tensor:
-    """Mixed magnitudes (2^-40 .. 2^40 times a normal), zeros, exact powers of two."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g, dtype=torch.float64)
-    x = x * torch.exp2(torch.randint(-40, 41, (n,), generator=g).double())
-    x[::13] = 0.0
-    x[5::17] = torch.exp2(torch.randint(-20, 20, (len(x[5::17]),), generator=g).double())
-    return x.clamp(-max_abs, max_abs).float()
 
 
 def edge_values(n: int, block: int, max_abs: float, seed: int) -> torch.Tensor:
@@ -195,11 +128,7 @@ def edge_values(n: int, block: int, max_abs: float, seed: int) -> torch.Tensor:
         lambda m: torch.where(torch.arange(m) == m - 1, float("-inf"), 3.0e-3),
         lambda m: torch.where(torch.arange(m) == 1, 1.0e4, 1.0e-30),
     ]
-    parts, k = [], 0
-    while sum(p.numel() for p in parts) < n:
-        parts.append(kinds[k % len(kinds)](block).float())
-        k += 1
-    return torch.cat(parts)[:n] if parts else torch.zeros(0)
+    return cycle_blocks(kinds, n, block)
 
 
 def inputs(codec: Codec, n: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
