@@ -10,9 +10,9 @@ Implements DESIGN.md, "Kernels". :func:`encode`, :func:`decode` and :func:`reduc
   if it is not imported yet, this sets ``TRITON_INTERPRET=1`` for the process (``"auto"``
   ignores that setting); if it was imported without it, CPU tensors raise. Raises if Triton
   is not installed or the codec has no kernel for the operation;
-* ``"cpu"``: the native CPU kernels of the INT and MX codecs (:mod:`dynamiq.kernels.cpu_native`:
-  C++ built once per machine and cached, bit-exact with the reference). Raises if they cannot
-  be built or the codec has none;
+* ``"cpu"``: the native CPU kernels of the INT, MX and DynamiQ codecs
+  (:mod:`dynamiq.kernels.cpu_native`: C++ built once per machine and cached, bit-exact with
+  the reference). Raises if they cannot be built or the codec has none;
 * ``"auto"`` (what :class:`~dynamiq.codecs.Codec`'s own methods use): Triton for CUDA tensors,
   and for CPU tensors when ``TRITON_INTERPRET=1`` is set; on other CPU tensors of at least
   ``cpu_native.MIN_NUMEL`` values the native CPU kernels (unless ``DYNAMIQ_CPU_KERNELS=0``

@@ -1,25 +1,35 @@
-"""The CPU fast path: native kernels of the INT and MX codecs (DESIGN.md, "Kernels").
+"""The CPU fast path: native kernels of the INT, MX and DynamiQ codecs (DESIGN.md, "Kernels").
 
 The codecs' PyTorch references make dozens of full-tensor passes; on the CPU this module runs
-the same computation as one C++ loop per tile of blocks (``csrc/cpu_kernels.cpp``): the fused
-``reduce`` decodes the incoming payload, adds the local slice in fp32, recomputes the block
-statistics, rounds and packs without an fp32 tensor in memory, on ``torch.get_num_threads()``
-threads. It is **bit-exact** with the references (same payload bytes, same decoded values):
-the same fp32 operations in the same order, no FMA contraction, IEEE division, and integer
-arithmetic for scales, element formats, rounding decisions, packing and the counter hash of
-stochastic rounding (``tests/kernels/test_cpu_fast_path_native.py``).
+the same computation as one C++ loop per tile of blocks (``csrc/cpu_kernels.cpp``; DynamiQ:
+per span, ``csrc/dynamiq_kernels.cpp``): the fused ``reduce`` decodes the incoming payload,
+adds the local slice in fp32, recomputes the block statistics, rounds and packs without an
+fp32 tensor in memory (DynamiQ: a span-sized scratch per thread, since a span's widths depend
+on all of its scales), on ``torch.get_num_threads()`` threads. It is **bit-exact** with the
+references (same payload bytes, same decoded values): the same fp32 operations in the same
+order, no FMA contraction, IEEE division, the references' own fp32 tables (DynamiQ's level,
+rounding and group-scale tables are passed in from :mod:`dynamiq.codecs.dynamiq_codec`), and
+integer arithmetic for scales, element formats, rounding decisions, DynamiQ's bit widths
+(water-filling), packing and the counter hash of stochastic and correlated rounding
+(``tests/kernels/test_cpu_fast_path_native.py``, ``tests/kernels/test_cpu_native_dynamiq.py``).
 
 It covers :class:`~dynamiq.codecs.intq.IntCodec` (every ``bits``, ``block_size``,
-``rounding`` and ``scale_format``) and the six MX codecs, fp32/bf16/fp16 inputs.
+``rounding`` and ``scale_format``), the six MX codecs and
+:class:`~dynamiq.codecs.dynamiq_codec.DynamiqCodec` (every ``bits``, ``span``,
+``super_group``, ``group``, ``levels``, ``rounding``, ``hop_slope``, ``pooled`` and
+``scale_steps``), fp32/bf16/fp16 inputs. The results do not depend on the thread count.
 
 **Build.** The library is compiled the first time it is needed with the system C++ compiler
 (``$CXX``, else ``g++``, ``c++`` or ``clang++``; ``-O3 -march=native -ffp-contract=off``, a
 few seconds) and cached in ``$DYNAMIQ_CACHE/cpu-kernels`` (default
-``~/.cache/dynamiq/cpu-kernels``) under a name that hashes the source, the flags, the compiler
-and the CPU, so later processes load it in milliseconds and a home directory shared by
-different machines never runs code built for another CPU. Nothing is downloaded. Without a
-compiler, or if the build fails, one :class:`CPUKernelsUnavailableWarning` says why and the
-codecs run on their PyTorch reference, as before.
+``~/.cache/dynamiq/cpu-kernels``) under a name that hashes the sources (``csrc/``), the
+flags, the compiler and the CPU, so later processes load it in milliseconds and a home
+directory shared by different machines never runs code built for another CPU. Nothing is
+downloaded. Without a compiler, or if the build fails, one
+:class:`CPUKernelsUnavailableWarning` says why and the codecs run on their PyTorch reference,
+as before. On a CPU with AVX-512 (and BMI2), the DynamiQ kernel's full groups of 16, 32 or 64
+values run as vector code with in-register tables; elsewhere, portable loops give the same
+bytes.
 
 **Dispatch** (:mod:`dynamiq.kernels`): ``backend="auto"`` runs these kernels on CPU tensors of
 at least :data:`MIN_NUMEL` values (unless ``DYNAMIQ_CPU_KERNELS=0``, :func:`set_cpu_kernels`
@@ -32,6 +42,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -72,7 +83,11 @@ MIN_NUMEL = 1 << 12
 #: values per thread below which fewer threads are started (thread start-up is ~20 us)
 _PER_THREAD = 1 << 16
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+#: the translation units of the library (one shared object)
+SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "dynamiq_kernels.cpp")
+#: what they include
+HEADERS = (_CSRC / "common.h",)
 #: no -ffast-math (IEEE division, subnormals kept), no FMA contraction: bit-exactness
 FLAGS = (
     "-O3",
@@ -84,7 +99,7 @@ FLAGS = (
     "-std=c++17",
 )
 _LINK = ("-pthread",)
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 
 
 class CPUKernelsUnavailableWarning(RuntimeWarning):
@@ -137,10 +152,52 @@ class _MXArgs(ctypes.Structure):
     ]
 
 
+class _DynArgs(ctypes.Structure):
+    _fields_ = [  # the C struct dq_dyn_args (csrc/dynamiq_kernels.cpp)
+        ("op", ctypes.c_int32),
+        ("in_kind", ctypes.c_int32),
+        ("x", ctypes.c_void_p),
+        ("inp", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("out_values", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("span", ctypes.c_int64),
+        ("super_group", ctypes.c_int64),
+        ("group", ctypes.c_int64),
+        ("scale_steps", ctypes.c_int32),
+        ("pooled", ctypes.c_int32),
+        ("rounding", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32),
+        ("budget_in_full", ctypes.c_int64),
+        ("budget_in_last", ctypes.c_int64),
+        ("budget_out_full", ctypes.c_int64),
+        ("budget_out_last", ctypes.c_int64),
+        ("key0", ctypes.c_uint32),
+        ("key1", ctypes.c_uint32),
+        ("shift_key0", ctypes.c_uint32),
+        ("shift_key1", ctypes.c_uint32),
+        ("offset", ctypes.c_uint64),
+        ("hop", ctypes.c_uint64),
+        ("num_hops", ctypes.c_uint64),
+        ("num_hops_f32", ctypes.c_float),
+        ("levels", ctypes.c_void_p),
+        ("base", ctypes.c_void_p),
+        ("key", ctypes.c_void_p),
+        ("lower", ctypes.c_void_p),
+        ("gap", ctypes.c_void_p),
+        ("eyt", ctypes.c_void_p),
+        ("eyt5", ctypes.c_void_p),
+        ("q", ctypes.c_void_p),
+        ("steps", ctypes.c_void_p),
+        ("powers", ctypes.c_void_p),
+    ]
+
+
 _OP = {"encode": 0, "reduce": 1, "decode": 2}
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _SCALE_FMT = {"bf16": 0, "fp16": 1, "fp32": 2, "e8m0": 3}
 _SPECIALS = {"ieee": 0, "fn": 1, "none": 2, "int": 3}
+_ROUNDING = {"nearest": 0, "stochastic": 1, "correlated": 2}
 
 # -- switch -----------------------------------------------------------------------------------
 
@@ -209,7 +266,8 @@ def _cpu_identity() -> str:
 def library_path(compiler: str | None = None) -> Path:
     """Where the library built for this source, compiler and CPU is cached."""
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for src in (*SOURCES, *HEADERS):
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
     for part in (*FLAGS, *_LINK, "-march=native", str(compiler or _compiler()), _cpu_identity()):
         h.update(b"\0" + part.encode())
     return _cache_dir() / f"dynamiq_cpu_kernels-v{_ABI_VERSION}-{h.hexdigest()[:16]}.so"
@@ -223,7 +281,7 @@ def _build(cxx: str, dest: Path) -> None:
     for arch in (("-march=native",), ()):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest.parent)
         os.close(fd)
-        cmd = [cxx, *FLAGS, *arch, "-o", tmp, str(SOURCE), *_LINK]
+        cmd = [cxx, *FLAGS, *arch, "-o", tmp, *map(str, SOURCES), *_LINK]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
             if proc.returncode == 0:
@@ -250,9 +308,9 @@ def _load() -> ctypes.CDLL:
             except Exception as exc:  # no compiler, build error, unloadable library
                 _FAILURE = str(exc) or type(exc).__name__
                 warnings.warn(
-                    f"dynamiq: the native CPU kernels are unavailable ({_FAILURE}); the INT "
-                    "and MX codecs run on their PyTorch reference on the CPU (slower, same "
-                    "results). Set DYNAMIQ_CPU_KERNELS=0 to skip them.",
+                    f"dynamiq: the native CPU kernels are unavailable ({_FAILURE}); the INT, "
+                    "MX and DynamiQ codecs run on their PyTorch reference on the CPU (slower, "
+                    "same results). Set DYNAMIQ_CPU_KERNELS=0 to skip them.",
                     CPUKernelsUnavailableWarning,
                     stacklevel=2,
                 )
@@ -278,6 +336,8 @@ def _open() -> ctypes.CDLL:
     lib.dq_int_run.restype = ctypes.c_int
     lib.dq_mx_run.argtypes = [ctypes.POINTER(_MXArgs)]
     lib.dq_mx_run.restype = ctypes.c_int
+    lib.dq_dyn_run.argtypes = [ctypes.POINTER(_DynArgs)]
+    lib.dq_dyn_run.restype = ctypes.c_int
     return lib
 
 
@@ -295,15 +355,17 @@ def available() -> bool:
 
 
 def _family(codec: Codec) -> str | None:
-    """``"int"`` or ``"mx"`` for the built-in classes (exactly: a subclass may change what
-    its reference computes), else ``None``."""
-    from dynamiq.codecs import intq, mx
+    """``"int"``, ``"mx"`` or ``"dynamiq"`` for the built-in classes (exactly: a subclass may
+    change what its reference computes), else ``None``."""
+    from dynamiq.codecs import dynamiq_codec, intq, mx
 
     cls = type(codec)
     if cls is intq.IntCodec:
         return "int"
     if cls in (mx.MXFP8E4M3, mx.MXFP8E5M2, mx.MXFP6E3M2, mx.MXFP6E2M3, mx.MXFP4, mx.MXINT8):
         return "mx"
+    if cls is dynamiq_codec.DynamiqCodec:
+        return "dynamiq"
     return None
 
 
@@ -315,7 +377,7 @@ def kernel(codec: Codec, op: str, *, required: bool = False) -> Callable[..., An
         if required:
             raise NotImplementedError(
                 f"codec {codec.codec_id!r} ({type(codec).__qualname__}) has no native CPU "
-                f"kernel for {op} (only the built-in INT and MX codecs have); use "
+                f"kernel for {op} (only the built-in INT, MX and DynamiQ codecs have); use "
                 "backend='reference'"
             )
         return None
@@ -339,10 +401,32 @@ def _check_device(*tensors: torch.Tensor) -> None:
             raise ValueError(f"the native CPU kernels take CPU tensors (got {t.device})")
 
 
+def _check_values(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _KIND:
+        raise TypeError(
+            f"the native CPU kernels take {name} as float32, bfloat16 or float16 (got {t.dtype})"
+        )
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D tensor (got shape {tuple(t.shape)})")
+
+
+def _check_payload(codec: Codec, payload: torch.Tensor, numel: int, ctx: HopContext) -> None:
+    if payload.dtype != torch.uint8:
+        raise TypeError(f"payload must have dtype torch.uint8 (got {payload.dtype})")
+    expected = codec.encoded_nbytes(numel, ctx)
+    if payload.dim() != 1 or not payload.is_contiguous() or payload.numel() != expected:
+        raise ValueError(
+            f"payload must be a contiguous 1-D tensor of {expected} bytes (what "
+            f"{codec.codec_id} encodes {numel} values in; got shape {tuple(payload.shape)})"
+        )
+
+
 def _run(codec: Codec, op: str, n: int, **ptrs: Any) -> None:
     lib = _load()
     family = _family(codec)
-    if family == "int":
+    if family == "dynamiq":
+        _run_dynamiq(lib, codec, op, n, **ptrs)
+    elif family == "int":
         from dynamiq.codecs.intq import IntCodec
 
         assert isinstance(codec, IntCodec)
@@ -386,6 +470,119 @@ def _run(codec: Codec, op: str, n: int, **ptrs: Any) -> None:
     record_launch(f"cpu_{family}_{op}")
 
 
+def _run_dynamiq(
+    lib: ctypes.CDLL,
+    codec: Codec,
+    op: str,
+    n: int,
+    *,
+    ctx: HopContext,
+    in_ctx: HopContext | None = None,
+    **ptrs: Any,
+) -> None:
+    """One ``dq_dyn_run`` call: ``in_ctx`` the incoming payload's context (decode, reduce),
+    ``ctx`` the outgoing payload's (encode, reduce: the dither and the budget)."""
+    from dynamiq.codecs.dynamiq_codec import DynamiqCodec
+    from dynamiq.codecs.hashing import hash_keys
+
+    assert isinstance(codec, DynamiqCodec)
+    tables = _dynamiq_tables(codec)
+    in_ctx = ctx if in_ctx is None else in_ctx
+    rest = n % codec.span
+    key0, key1 = hash_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank)
+    shift0, shift1 = hash_keys(ctx.seed, ctx.step, 0xFFFFFFFF, 0xFFFFFFFF)
+    args = _DynArgs(
+        op=_OP[op],
+        n=n,
+        span=codec.span,
+        super_group=codec.super_group,
+        group=codec.group,
+        scale_steps=codec.scale_steps,
+        pooled=int(codec.pooled),
+        rounding=_ROUNDING[codec.rounding],
+        nthreads=_threads(n),
+        budget_in_full=codec._budget(codec.span, in_ctx),
+        budget_in_last=codec._budget(rest, in_ctx),
+        budget_out_full=codec._budget(codec.span, ctx),
+        budget_out_last=codec._budget(rest, ctx),
+        key0=key0,
+        key1=key1,
+        shift_key0=shift0,
+        shift_key1=shift1,
+        offset=ctx.offset,
+        hop=ctx.hop,
+        num_hops=ctx.num_hops,
+        num_hops_f32=float(ctx.num_hops),  # rounded to fp32 as torch divides by it
+        **{name: t.data_ptr() for name, t in tables.items()},
+        **ptrs,
+    )
+    _check_status(lib.dq_dyn_run(ctypes.byref(args)))
+
+
+@functools.lru_cache(maxsize=32)
+def _dynamiq_tables(codec: Codec) -> dict[str, torch.Tensor]:
+    """The reference's own tables of a DynamiQ configuration (contiguous CPU tensors, kept
+    alive here): levels and rounding cells (``_Tables``), the priorities ``Q``, and the 16
+    group-scale steps and powers of ``_group_scale``'s ``(S * steps[e]) * powers[e]``."""
+    from dynamiq.codecs.dynamiq_codec import DynamiqCodec, _priority_tables
+
+    assert isinstance(codec, DynamiqCodec)
+    cpu = torch.device("cpu")
+    t = codec._tables(cpu)
+    q, _ = _priority_tables(codec.scale_steps, cpu)
+    # (1 * steps[e]) * powers[e], exact: steps[e] = f[e mod k] (powers of those are 1) and
+    # powers[e] = f[(e div k) k] (steps[0] = 1)
+    k = codec.scale_steps
+    f = codec._group_scale(torch.ones(16), torch.arange(16)).float()
+    e = torch.arange(16)
+    out = {
+        "levels": t.levels,
+        "base": t.base,
+        "key": t.key,
+        "lower": t.lower,
+        "gap": t.gap,
+        "eyt": _eytzinger_rows(t, codec.rounding != "nearest", None),
+        "eyt5": _eytzinger_rows(t, codec.rounding != "nearest", 5),
+        "q": q.to(torch.int64),
+        "steps": f[e % k],
+        "powers": f[(e // k) * k],
+    }
+    dtypes = {"base": torch.int32, "q": torch.int64}
+    return {name: v.to(dtypes.get(name, torch.float32)).contiguous() for name, v in out.items()}
+
+
+def _eytzinger_rows(tables: Any, stretched: bool, depth: int | None) -> torch.Tensor:
+    """``[9 * 2^d]`` fp32 (``d = depth``, or 8): for each width ``w >= 1``, the ``2^w - 1``
+    ascending thresholds whose count below ``y`` is the level index (nearest: the round-up
+    points, the keys of the cell table; stochastic: the levels ``1 .. 2^w - 1``, the level 0
+    compared on its own), read from the reference's own tables, as a search tree of ``depth``
+    levels (``None``: ``w`` levels; a deeper tree is padded with +inf, which never counts) in
+    Eytzinger order (node ``k`` at ``k``, children ``2k`` and ``2k + 1``; ``k = 0`` unused).
+    Rows of widths above ``depth`` are left +inf."""
+    size = 1 << (depth or 8)
+    rows = torch.full((9, size), math.inf, dtype=torch.float32)
+    keys_all = tables.key.view(9, -1)
+    for w in range(1, 9 if depth is None else depth + 1):
+        keys = torch.unique(keys_all[w][torch.isfinite(keys_all[w])])  # sorted
+        want = (1 << w) if stretched else (1 << w) - 1
+        if keys.numel() != want:  # pragma: no cover - the reference's tables are built so
+            raise RuntimeError(f"width {w}: {keys.numel()} rounding keys, not {want}")
+        if stretched:
+            keys = keys[1:]  # the levels above level 0
+        n = (1 << (depth or w)) - 1
+        order = iter(keys.tolist() + [math.inf] * (n - keys.numel()))
+
+        def fill(k: int, order: Any = order, w: int = w, n: int = n) -> None:
+            if k > n:
+                return
+            fill(2 * k)
+            rows[w, k] = next(order)
+            fill(2 * k + 1)
+
+        fill(1)
+    return rows.reshape(-1)
+
+
 @functools.cache
 def _mx_format(fmt: ElementFormat) -> dict[str, int]:
     """The element format as the kernel takes it: its integer parameters."""
@@ -413,8 +610,9 @@ def _check_status(status: int) -> None:
 def encode(codec: Codec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
     """``codec.encode(x, ctx)`` by the native CPU kernel."""
     _check_device(x)
+    _check_values("x", x)
     n = x.numel()
-    out = torch.empty(codec.encoded_nbytes(n) or 0, dtype=torch.uint8)
+    out = torch.empty(codec.encoded_nbytes(n, ctx) or 0, dtype=torch.uint8)
     if n:
         _run(
             codec, "encode", n, ctx=ctx, in_kind=_KIND[x.dtype], x=x.data_ptr(),
@@ -426,6 +624,7 @@ def encode(codec: Codec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
 def decode(codec: Codec, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
     """``codec.decode(payload, numel, ctx)`` by the native CPU kernel."""
     _check_device(payload)
+    _check_payload(codec, payload, numel, ctx)
     out = torch.empty(numel, dtype=torch.float32)
     if numel:
         _run(codec, "decode", numel, ctx=ctx, inp=payload.data_ptr(), out_values=out.data_ptr())
@@ -442,12 +641,15 @@ def reduce(
     """``codec.reduce(payload, local, ctx, out_ctx)`` by the native CPU kernel: one pass over
     memory, no fp32 tensor in memory."""
     _check_device(payload, local)
+    _check_values("local", local)
     n = local.numel()
-    out = torch.empty_like(payload)
+    _check_payload(codec, payload, n, ctx)
+    out = torch.empty(codec.encoded_nbytes(n, out_ctx) or 0, dtype=torch.uint8)
+    extra = {"in_ctx": ctx} if _family(codec) == "dynamiq" else {}
     if n:
         _run(
             codec, "reduce", n, ctx=out_ctx, in_kind=_KIND[local.dtype], x=local.data_ptr(),
-            inp=payload.data_ptr(), out=out.data_ptr(),
+            inp=payload.data_ptr(), out=out.data_ptr(), **extra,
         )  # fmt: skip
     return out
 

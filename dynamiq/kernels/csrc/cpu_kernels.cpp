@@ -14,7 +14,8 @@
 //     stochastic rounding are integer operations.
 //
 // Built once per machine by dynamiq/kernels/cpu_native.py (g++ -O3 -march=native, cached on
-// disk) and called through ctypes; no Python or torch headers. Work is split into tiles of
+// disk; one library with dynamiq_kernels.cpp, the DynamiQ codec's kernels, both including
+// common.h) and called through ctypes; no Python or torch headers. Work is split into tiles of
 // whole blocks whose codes fill whole bytes, so threads write disjoint bytes and the result
 // does not depend on the number of threads.
 //
@@ -29,61 +30,9 @@
 #include <thread>
 #include <vector>
 
+#include "common.h"
+
 namespace {
-
-// -- fp32 bit patterns ----------------------------------------------------------------------
-
-// (the loops below are written so that GCC vectorizes them: no branches, 32-bit lanes)
-
-inline uint32_t f2u(float x) { return __builtin_bit_cast(uint32_t, x); }
-
-inline float u2f(uint32_t u) { return __builtin_bit_cast(float, u); }
-
-// floor(log2(m)) for 1 <= m < 2^24 (exact int -> float conversion); 0 for m = 0
-inline int32_t floor_log2_small(uint32_t m) {
-  return (int32_t)(f2u((float)(int32_t)(m | 1u)) >> 23) - 127;
-}
-
-// formats.exponent_of of fp32 magnitude bits a: floor(log2), 0 -> -150, NaN/Inf -> 128
-inline int32_t exponent_of(uint32_t a) {
-  int32_t e = (int32_t)(a >> 23);
-  int32_t sub = floor_log2_small(a & 0x7FFFFFu) - 149;
-  int32_t out = e > 0 ? e - 127 : sub;
-  return a == 0 ? -150 : out;
-}
-
-// fp16 bits -> fp32 bits, exact (NaN keeps sign and payload)
-inline uint32_t f16_to_f32_bits(uint32_t h) {
-  uint32_t sign = (h >> 15) << 31;
-  uint32_t e = (h >> 10) & 0x1F;
-  uint32_t m = h & 0x3FF;
-  uint32_t normal = ((e + 112) << 23) | (m << 13);
-  uint32_t sub = f2u((float)(int32_t)m) - (24u << 23);  // m * 2^-24, m < 2^10
-  uint32_t special = 0x7F800000u | (m << 13);
-  uint32_t mag = e == 0x1F ? special : (e > 0 ? normal : (m > 0 ? sub : 0));
-  return sign | mag;
-}
-
-// -- value buffers (KIND: 0 fp32, 1 bf16, 2 fp16) -> fp32 -----------------------------------
-
-template <int KIND>
-void load_values(const void* src, int64_t start, int64_t cnt, float* __restrict dst) {
-  if (KIND == 0) {
-    std::memcpy(dst, (const float*)src + start, (size_t)cnt * 4);
-  } else if (KIND == 1) {
-    const uint16_t* s = (const uint16_t*)src + start;
-    for (int64_t i = 0; i < cnt; i++) dst[i] = u2f((uint32_t)s[i] << 16);
-  } else {
-    const uint16_t* s = (const uint16_t*)src + start;
-    for (int64_t i = 0; i < cnt; i++) dst[i] = u2f(f16_to_f32_bits(s[i]));
-  }
-}
-
-void load_values_any(int kind, const void* src, int64_t start, int64_t cnt, float* dst) {
-  if (kind == 0) load_values<0>(src, start, cnt, dst);
-  else if (kind == 1) load_values<1>(src, start, cnt, dst);
-  else load_values<2>(src, start, cnt, dst);
-}
 
 // -- dense LSB-first bit packing (dynamiq/codecs/packing.py) ----------------------------------
 // Group g of 8 consecutive codes occupies bytes [g * BITS, (g + 1) * BITS) of the stream.
@@ -212,42 +161,6 @@ void pack_any(int bits, const uint8_t* c, int64_t g0, int64_t ng, uint8_t* s, in
   }
 }
 
-// -- threads --------------------------------------------------------------------------------
-
-// fn(tile0, tile1, thread) over [0, ntiles) split into nthreads contiguous ranges
-template <class F>
-bool parallel_tiles(int64_t ntiles, int nthreads, F fn) {
-  nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, ntiles));
-  if (nthreads == 1) return fn(0, ntiles, 0);
-  std::vector<char> ok(nthreads, 0);
-  std::vector<std::thread> pool;
-  int64_t per = (ntiles + nthreads - 1) / nthreads;
-  try {
-    for (int t = 1; t < nthreads; t++) {
-      int64_t a = std::min<int64_t>(ntiles, t * per), b = std::min<int64_t>(ntiles, a + per);
-      pool.emplace_back([&ok, &fn, a, b, t]() { ok[t] = fn(a, b, t) ? 1 : 0; });
-    }
-  } catch (...) {
-    for (auto& th : pool) th.join();
-    return false;
-  }
-  ok[0] = fn(0, std::min<int64_t>(ntiles, per), 0) ? 1 : 0;
-  for (auto& th : pool) th.join();
-  for (char c : ok)
-    if (!c) return false;
-  return true;
-}
-
-// -- the counter hash (dynamiq/codecs/hashing.py) -------------------------------------------
-
-inline uint32_t fmix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  h ^= h >> 16;
-  return h;
-}
 
 // -- INT codec (dynamiq/codecs/intq.py) -----------------------------------------------------
 
@@ -777,7 +690,8 @@ int dq_mx_run(dq_mx_args* a) {
   return parallel_tiles(nblocks, nt, work) ? 0 : 1;
 }
 
-// The layout version of the two argument structures (checked when the library loads).
-int dq_abi_version(void) { return 1; }
+// The layout version of the argument structures (dq_int_args, dq_mx_args and dynamiq_kernels.cpp's
+// dq_dyn_args), checked when the library loads.
+int dq_abi_version(void) { return 2; }
 
 }  // extern "C"
