@@ -20,3 +20,17 @@ def triton_interpreter() -> Iterator[None]:
     patch.setenv("TRITON_INTERPRET", "1")
     yield
     patch.undo()
+
+
+@pytest.fixture
+def cpu_switches_cleared(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No ``DYNAMIQ_CPU_KERNELS``, ``DYNAMIQ_CPU_COMPILE`` or ``TRITON_INTERPRET`` from the
+    environment during a native CPU kernel test, and the programmatic switches reset after
+    it."""
+    from dynamiq.kernels import _compiled, cpu_native
+
+    for name in ("DYNAMIQ_CPU_KERNELS", "DYNAMIQ_CPU_COMPILE", "TRITON_INTERPRET"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    cpu_native.set_cpu_kernels(None)
+    _compiled.set_cpu_compile(None)

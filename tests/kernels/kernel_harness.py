@@ -80,26 +80,31 @@ def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None
         raise AssertionError(f"{what}: byte {i} of {got.numel()} differs: {got[i]} != {want[i]}")
 
 
-def both(fn: Any, *args: Any, kernel: str | None = None, **kw: Any) -> tuple[Any, Any]:
-    """``fn`` (``K.encode``, ``K.decode`` or ``K.reduce``) on the reference and on Triton
-    (forced): the two results, or ``(None, None)`` when both raise the same ``ValueError``;
-    with a proof that the Triton path ran: ``kernel`` launched once more, or (without a name)
-    some kernel launched for a non-empty input."""
+def both(
+    fn: Any, *args: Any, kernel: str | None = None, fast: str = "triton", **kw: Any
+) -> tuple[Any, Any]:
+    """``fn`` (``K.encode``, ``K.decode`` or ``K.reduce``) on the reference and on the
+    ``fast`` backend (forced: ``"triton"``, or ``"cpu"`` for the native CPU kernels): the two
+    results, or ``(None, None)`` when both raise the same ``ValueError``; with a proof that
+    the fast path ran: ``kernel`` launched once more (not at all for an empty input), or
+    (without a name) some kernel launched for a non-empty input."""
     before = K.launch_counts()
     try:
         want = fn(*args, **kw, backend="reference")
     except ValueError as exc:
         with pytest.raises(ValueError) as info:
-            fn(*args, **kw, backend="triton")
+            fn(*args, **kw, backend=fast)
         assert str(info.value) == str(exc)
         return None, None
     assert K.last_backend() == "reference"
-    got = fn(*args, **kw, backend="triton")
-    assert K.last_backend() == "triton"
+    got = fn(*args, **kw, backend=fast)
+    assert K.last_backend() == fast
     after = K.launch_counts()
+    nonempty = (args[2] if fn is K.decode else args[2 if fn is K.reduce else 1].numel()) > 0
     if kernel is not None:
-        assert after.get(kernel, 0) == before.get(kernel, 0) + 1, f"{kernel} did not launch"
-    elif (args[2] if fn is K.decode else args[2 if fn is K.reduce else 1].numel()) > 0:
+        launches = after.get(kernel, 0) - before.get(kernel, 0)
+        assert launches == int(nonempty), f"{kernel} launched {launches} times"
+    elif nonempty:
         assert sum(after.values()) > sum(before.values()), "no kernel launched"
     return got, want
 

@@ -13,7 +13,6 @@ across 2^32 and 2^63, arbitrary payload bytes, several threads, and Hypothesis.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,12 +20,13 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from kernel_harness import assert_values_equal
 
 import dynamiq.kernels as K
 from dynamiq.codecs import Codec, HopContext, get_codec
 from dynamiq.codecs.intq import IntCodec
 from dynamiq.codecs.packing import pack_bits
-from dynamiq.kernels import _compiled, cpu_native
+from dynamiq.kernels import cpu_native
 from dynamiq.testing.strategies import finite_tensors, hop_contexts
 
 if cpu_native._compiler() is None:
@@ -72,30 +72,10 @@ def cid(codec: Codec) -> str:
     return codec.codec_id
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv("DYNAMIQ_CPU_KERNELS", raising=False)
-    monkeypatch.delenv("DYNAMIQ_CPU_COMPILE", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    yield
-    cpu_native.set_cpu_kernels(None)
-    _compiled.set_cpu_compile(None)
+pytestmark = pytest.mark.usefixtures("cpu_switches_cleared")
 
 
 # -- comparisons --------------------------------------------------------------------------------
-
-
-def assert_values_equal(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    """fp32 tensors: identical bits, NaN compared by position."""
-    assert got.dtype == want.dtype == torch.float32, what
-    assert got.shape == want.shape, what
-    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
-    assert torch.equal(nan_g, nan_w), f"{what}: NaN positions differ"
-    g = torch.where(nan_g, 0.0, got).view(torch.int32)
-    w = torch.where(nan_w, 0.0, want).view(torch.int32)
-    if not torch.equal(g, w):
-        i = int((g != w).nonzero()[0, 0])
-        raise AssertionError(f"{what}: value {i} differs: {got[i].item()!r} != {want[i].item()!r}")
 
 
 def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:

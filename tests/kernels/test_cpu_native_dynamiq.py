@@ -18,18 +18,21 @@ contexts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
+from dynamiq_inputs import check_all as _check_all
+from dynamiq_inputs import edge_values, random_values
 from hypothesis import given
 from hypothesis import strategies as st
+from kernel_harness import assert_bytes_equal, assert_values_equal
+from kernel_harness import both as _both
 
 import dynamiq.kernels as K
 from dynamiq.codecs import HopContext, get_codec
-from dynamiq.codecs.dynamiq_codec import DynamiqCodec, level_table
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec
 from dynamiq.kernels import _compiled, cpu_native
 from dynamiq.testing.strategies import hop_contexts
 
@@ -98,51 +101,20 @@ CTX_PAIRS = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv("DYNAMIQ_CPU_KERNELS", raising=False)
-    monkeypatch.delenv("DYNAMIQ_CPU_COMPILE", raising=False)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    yield
-    cpu_native.set_cpu_kernels(None)
-    _compiled.set_cpu_compile(None)
+pytestmark = pytest.mark.usefixtures("cpu_switches_cleared")
 
 
 # -- comparisons --------------------------------------------------------------------------------
 
-
-def assert_values_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """fp32 tensors: identical bits, NaN compared by position."""
-    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, what
-    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
-    assert torch.equal(nan_g, nan_w), f"{what}: NaN positions differ"
-    g = torch.where(nan_g, 0.0, got).view(torch.int32)
-    w = torch.where(nan_w, 0.0, want).view(torch.int32)
-    if not torch.equal(g, w):
-        i = int((g != w).nonzero()[0, 0])
-        raise AssertionError(f"{what}: value {i} differs: {got[i].item()!r} != {want[i].item()!r}")
-
-
-def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert got.dtype == want.dtype == torch.uint8, what
-    assert got.shape == want.shape, f"{what}: {got.shape} != {want.shape}"
-    if not torch.equal(got, want):
-        i = int((got != want).nonzero()[0, 0])
-        raise AssertionError(f"{what}: byte {i} of {got.numel()} differs: {got[i]} != {want[i]}")
+_KERNEL = {K.encode: "cpu_dynamiq_encode", K.decode: "cpu_dynamiq_decode"}
+_KERNEL[K.reduce] = "cpu_dynamiq_reduce"
 
 
 def both(fn: Any, op: str, *args: Any) -> tuple[Any, Any]:
     """``fn`` on the reference and on the native kernel (forced), with a proof that the
     kernel ran (an empty input needs no launch)."""
-    want = fn(*args, backend="reference")
-    assert K.last_backend() == "reference"
-    name = f"cpu_dynamiq_{op}"
-    before = K.launch_counts().get(name, 0)
-    got = fn(*args, backend="cpu")
-    assert K.last_backend() == "cpu"
-    n = args[2] if op == "decode" else args[1].numel()
-    assert K.launch_counts().get(name, 0) == before + (1 if n else 0), "the kernel did not run"
-    return got, want
+    assert _KERNEL[fn] == f"cpu_dynamiq_{op}"
+    return _both(fn, *args, kernel=_KERNEL[fn], fast="cpu")
 
 
 def check_all(
@@ -152,77 +124,8 @@ def check_all(
     pair: tuple[HopContext, HopContext],
     what: str,
 ) -> None:
-    """Encode ``x``, decode the reference payload, reduce it with ``local``: all bit-exact."""
-    ctx, out_ctx = pair
-    n = x.numel()
-    got, want = both(K.encode, "encode", codec, x, ctx)
-    assert_bytes_equal(got, want, f"encode {what}")
-    got_v, want_v = both(K.decode, "decode", codec, want, n, ctx)
-    assert_values_equal(got_v, want_v, f"decode {what}")
-    got_r, want_r = both(K.reduce, "reduce", codec, want, local, ctx, out_ctx)
-    assert_bytes_equal(got_r, want_r, f"reduce {what}")
-
-
-# -- inputs -----------------------------------------------------------------------------------
-
-
-def random_values(n: int, seed: int, spread: int = 20) -> torch.Tensor:
-    """Heavy-tailed magnitudes (a normal times 2^-spread .. 2^spread), zeros, powers of two."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g, dtype=torch.float64)
-    x = x * torch.exp2(torch.randint(-spread, spread + 1, (n,), generator=g).double())
-    x[::13] = 0.0
-    x[5::17] = torch.exp2(
-        torch.randint(-spread, spread + 1, (len(x[5::17]),), generator=g).double()
-    )
-    return x.float()
-
-
-def _midpoints() -> torch.Tensor:
-    """1.0 and the midpoints of the uniform and fitted tables (nearest-rounding ties)."""
-    mids = [torch.ones(1)]
-    for kind in ("uniform", "fitted"):
-        for w in (1, 2, 3, 4, 5, 6):
-            lv = level_table(kind, w)
-            mids.append((lv[1:] + lv[:-1]) / 2)
-    return torch.cat(mids)
-
-
-def edge_values(n: int, block: int, seed: int) -> torch.Tensor:
-    """Blocks of special content, one kind per block: zeros, -0.0, fp32/bf16/fp16 subnormals,
-    values near 2^127 and above bf16's largest (an Inf scale), NaN, ±Inf, one large value among
-    tiny ones, scales on and one ulp above a bf16 value, constants (equal priorities: the
-    leftover bits in index order), nearest-rounding ties."""
-    g = torch.Generator().manual_seed(seed)
-    mid = _midpoints()
-    kinds = [
-        lambda m: torch.zeros(m),
-        lambda m: -torch.zeros(m),
-        lambda m: torch.randint(-(2**23), 2**23, (m,), generator=g).float() * 2.0**-149,
-        lambda m: torch.randint(-127, 128, (m,), generator=g).float() * 2.0**-133,
-        lambda m: torch.randint(-1023, 1024, (m,), generator=g).float() * 2.0**-24,
-        lambda m: torch.linspace(-1, 1, m) * 2.0**127,
-        lambda m: torch.where(torch.arange(m) == 3, 3.39e38, torch.randn(m, generator=g)),
-        lambda m: torch.where(torch.arange(m) == m // 2, float("nan"), 1.0),
-        lambda m: torch.where(torch.arange(m) == 0, float("inf"), -2.0),
-        lambda m: torch.where(torch.arange(m) == m - 1, float("-inf"), 3.0e-3),
-        lambda m: torch.where(torch.arange(m) == 1, 1.0e4, 1.0e-30 * torch.randn(m, generator=g)),
-        lambda m: torch.where(torch.arange(m) == 2, 1.5, torch.randn(m, generator=g)),
-        lambda m: torch.where(
-            torch.arange(m) == 2, float(torch.nextafter(torch.tensor(1.5), torch.tensor(2.0))), 0.7
-        ),
-        lambda m: torch.full((m,), 0.3),
-        lambda m: mid.repeat(-(-m // mid.numel()))[:m],
-    ]
-    parts: list[torch.Tensor] = []
-    k = 0
-    while sum(p.numel() for p in parts) < n:
-        parts.append(kinds[k % len(kinds)](block).float())
-        k += 1
-    return torch.cat(parts)[:n] if parts else torch.zeros(0)
-
-
-# -- every configuration ------------------------------------------------------------------------
+    """Encode, decode and reduce on the reference and on the native kernel: all bit-exact."""
+    _check_all(codec, x, local, pair, what, fast="cpu", kernels=_KERNEL)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

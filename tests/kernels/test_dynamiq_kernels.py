@@ -14,27 +14,21 @@ tests run natively (``-m gpu`` selects them).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
 import torch
-from kernel_harness import (
-    DEVICE,
-    assert_bytes_equal,
-    assert_values_equal,
-    cycle_blocks,
-    interpreted_imports,
-)
+from dynamiq_inputs import check_all as _check_all
+from dynamiq_inputs import edge_values, random_values
+from kernel_harness import DEVICE, assert_bytes_equal, assert_values_equal, interpreted_imports
 from kernel_harness import both as _both
-from kernel_harness import random_values as _random_values
 
 with interpreted_imports():
     import dynamiq.kernels as K
     from dynamiq.kernels import dynamiq as kdyn
 
 from dynamiq.codecs import HopContext, get_codec
-from dynamiq.codecs.dynamiq_codec import DynamiqCodec, level_table
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec
 from dynamiq.data import load_slice
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("triton_interpreter")]
@@ -91,61 +85,8 @@ def both(fn: Any, *args: Any) -> tuple[Any, Any]:
 def check_all(
     codec: DynamiqCodec, x: torch.Tensor, local: torch.Tensor, pair: Any, what: str
 ) -> None:
-    """Encode ``x``, decode the reference payload, reduce it with ``local``: all bit-exact."""
-    ctx, out_ctx = pair
-    n = x.numel()
-    got, want = both(K.encode, codec, x, ctx)
-    assert_bytes_equal(got, want, f"encode {what}")
-    got_v, want_v = both(K.decode, codec, want, n, ctx)
-    assert_values_equal(got_v, want_v, f"decode {what}")
-    got_r, want_r = both(K.reduce, codec, want, local, ctx, out_ctx)
-    assert_bytes_equal(got_r, want_r, f"reduce {what}")
-
-
-# -- inputs -----------------------------------------------------------------------------------
-
-
-#: heavy-tailed magnitudes (a normal times 2^-20 .. 2^20), zeros, powers of two
-random_values = functools.partial(_random_values, spread=20)
-
-
-def _midpoints() -> torch.Tensor:
-    """1.0 then the midpoints of the uniform and fitted tables (nearest-rounding ties)."""
-    mids = [torch.ones(1)]
-    for kind in ("uniform", "fitted"):
-        for w in (1, 2, 3, 4, 5):
-            lv = level_table(kind, w)
-            mids.append((lv[1:] + lv[:-1]) / 2)
-    return torch.cat(mids)
-
-
-def edge_values(n: int, block: int, seed: int) -> torch.Tensor:
-    """Blocks (one super-group each) of special content: zeros, -0.0, fp32/bf16/fp16
-    subnormals, huge values (beyond bf16's largest too), NaN, ±Inf, one large value among
-    tiny ones, bf16 scales exactly on and one ulp above a bf16 value, constant values (equal
-    priorities: the leftover bits go in index order), nearest-rounding ties."""
-    g = torch.Generator().manual_seed(seed)
-    mid = _midpoints()
-    kinds = [
-        lambda m: torch.zeros(m),
-        lambda m: -torch.zeros(m),
-        lambda m: torch.randint(-(2**23), 2**23, (m,), generator=g).float() * 2.0**-149,
-        lambda m: torch.randint(-127, 128, (m,), generator=g).float() * 2.0**-133,
-        lambda m: torch.randint(-1023, 1024, (m,), generator=g).float() * 2.0**-24,
-        lambda m: torch.linspace(-1, 1, m) * 2.0**127,
-        lambda m: torch.where(torch.arange(m) == 3, 3.39e38, torch.randn(m, generator=g)),
-        lambda m: torch.where(torch.arange(m) == m // 2, float("nan"), 1.0),
-        lambda m: torch.where(torch.arange(m) == 0, float("inf"), -2.0),
-        lambda m: torch.where(torch.arange(m) == m - 1, float("-inf"), 3.0e-3),
-        lambda m: torch.where(torch.arange(m) == 1, 1.0e4, 1.0e-30 * torch.randn(m, generator=g)),
-        lambda m: torch.where(torch.arange(m) == 2, 1.5, torch.randn(m, generator=g)),
-        lambda m: torch.where(
-            torch.arange(m) == 2, float(torch.nextafter(torch.tensor(1.5), torch.tensor(2.0))), 0.7
-        ),
-        lambda m: torch.full((m,), 0.3),
-        lambda m: mid.repeat(-(-m // mid.numel()))[:m],
-    ]
-    return cycle_blocks(kinds, n, block)
+    """Encode, decode and reduce on the reference and on Triton: all bit-exact."""
+    _check_all(codec, x, local, pair, what, fast="triton", kernels=_KERNEL)
 
 
 # -- every configuration ----------------------------------------------------------------------
