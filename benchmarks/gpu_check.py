@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 #: codecs timed; the first two are the headline
 TIMED = ["int8", "mxfp8_e4m3", "int4", "mxfp4", "mxfp6_e3m2", "bf16", "fp32", "dynamiq"]
+TIMED += ["omnireduce"]
 #: non-default configurations checked beside the registered names
 EXTRA = {
     "int4_stochastic": {"id": "int", "bits": 4, "rounding": "stochastic"},
@@ -73,6 +74,21 @@ EXTRA = {
         "scale_steps": 4,
     },
     "dynamiq_sg8192_b7": {"id": "dynamiq", "super_group": 8192, "span": 16384, "bits": 7.5},
+    "thc_widen": {"id": "thc", "variant": "widen"},
+    "thc_max_b256_seg4": {"id": "thc", "scale": "max", "block_size": 256, "scale_blocks": 4},
+    "omnireduce_d0.1": {"id": "omnireduce", "density": 0.1},
+    "omnireduce_d0.5_fp16_b32": {
+        "id": "omnireduce",
+        "density": 0.5,
+        "block_size": 32,
+        "value_format": "fp16",
+    },
+    "omnireduce_d0.1_fp32_b8192": {  # blocks of 4 GPU tiles: strided slices
+        "id": "omnireduce",
+        "density": 0.1,
+        "block_size": 8192,
+        "value_format": "fp32",
+    },
 }
 
 
@@ -164,10 +180,12 @@ def _inputs(codec: Any, n: int, seed: int) -> list[Any]:
     return [x.float(), e.float()]
 
 
-def _same(codec: Any, got: Any, want: Any) -> bool:
-    """Bytes equal; fp32 values (and fp32-codec payloads) with NaN compared by position."""
+def _same(codec: Any, got: Any, want: Any, numel: int = 0) -> bool:
+    """Bytes equal; fp32 values (and fp32-codec payloads, and the fp32 values of omnireduce
+    payloads of ``numel`` values) with NaN compared by position."""
     import torch
 
+    from dynamiq.codecs.omnireduce import OmniReduceCodec
     from dynamiq.codecs.passthrough import FP32Codec
 
     if got is None or want is None:
@@ -175,6 +193,13 @@ def _same(codec: Any, got: Any, want: Any) -> bool:
     got, want = got.cpu(), want.cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
+    if got.dtype == torch.uint8 and isinstance(codec, OmniReduceCodec):
+        head = -(-codec._nblocks(numel) // 8)
+        if not torch.equal(got[:head], want[:head]):
+            return False
+        if codec.values.codec_id != "fp32":
+            return bool(torch.equal(got, want))
+        got, want = got[head:].clone(), want[head:].clone()
     if got.dtype == torch.uint8 and not isinstance(codec, FP32Codec):
         return bool(torch.equal(got, want))
     g, w = got.view(torch.float32), want.view(torch.float32)
@@ -241,7 +266,9 @@ def check_exactness(device: Any, small: bool) -> list[dict[str, Any]]:
                         for op, got, want in checks:
                             cases += 1
                             same = (
-                                got is want if isinstance(want, bool) else _same(codec, got, want)
+                                got is want
+                                if isinstance(want, bool)
+                                else _same(codec, got, want, n)
                             )
                             if not same and first_bad is None:
                                 first_bad = f"{op} {dtype} n={n} input {i} ref on {rdev}"
@@ -360,10 +387,13 @@ def compile_only(arch: int) -> int:
     from dynamiq.codecs import HopContext
     from dynamiq.kernels import dynamiq as kdynamiq
     from dynamiq.kernels import hashing, intq, mx, passthrough
+    from dynamiq.kernels import omnireduce as komni
+    from dynamiq.kernels import thc as kthc
 
     launches: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
     _PTR = {torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8"}
-    _PTR.update({torch.float32: "fp32", torch.int64: "i64"})
+    _PTR.update({torch.float32: "fp32", torch.int64: "i64", torch.float64: "fp64"})
+    _WIDE_ARGS = ("offset", "key0", "key1", "offset_in", "rkey0", "rkey1")  # 64-bit ints
 
     class Recorder:
         def __init__(self, kernel: Any) -> None:
@@ -382,24 +412,37 @@ def compile_only(arch: int) -> int:
                     elif isinstance(v, torch.Tensor):
                         sig[k] = "*" + _PTR[v.dtype]
                     else:
-                        sig[k] = "i64" if k in ("offset", "key0", "key1") else "i32"
+                        sig[k] = "i64" if k in _WIDE_ARGS else "i32"
                 key = f"{self.kernel.fn.__name__}{sorted(sig.items())}{sorted(const.items())}"
                 launches[key] = (self.kernel, sig, const)
 
             return launch
 
-    for module in (hashing, intq, mx, passthrough, kdynamiq):
+    for module in (hashing, intq, mx, passthrough, kdynamiq, komni, kthc):
         for attr, value in list(vars(module).items()):
             if attr.endswith("_kernel"):
                 setattr(module, attr, Recorder(value))
         module.tile_elems = lambda device: 2048  # type: ignore[attr-defined]  # GPU geometry
     ctx = HopContext(seed=1, hop=1, num_hops=4)  # num_hops > 1: DynamiQ's correlated variant
     families = {"passthrough": passthrough, "intq": intq, "mx": mx, "dynamiq": kdynamiq}
+    families["omnireduce"] = komni
+    families["thc"] = kthc
     for codec in _codecs().values():
         family = families[K._builtin_module(type(codec)) or ""]  # the launchers, directly
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = torch.ones(100_000, dtype=dtype)  # launch geometry of real sizes
             p = family.encode(codec, x, ctx)
+            if family is komni:  # its size depends on the norms, which the recorder skips
+                p = K.encode(codec, x, ctx, backend="reference")
+            if family is kthc:  # valid ranges; then the homomorphic reduce (agreed scales)
+                p = K.encode(codec, x, ctx, backend="reference")
+                shared = codec.prologue(x, type("One", (), {"allgather": lambda s, t: [t]})())
+                for k_in, k_out in ((1, 2), (3, 40)):  # table indices, then 11-bit sums
+                    c_in = HopContext(contributions=k_in, shared=shared)
+                    c_out = HopContext(contributions=k_out, shared=shared)
+                    p_in = K.encode(codec, x, c_in, backend="reference")
+                    family.encode(codec, x, c_in)
+                    family.reduce(codec, p_in, x, c_in, c_out)
             family.decode(codec, p, x.numel(), ctx)
             family.reduce(codec, p, x, ctx, ctx)
     hashing.hash_u32(torch.arange(10), (1, 2))

@@ -4,7 +4,7 @@ Implements DESIGN.md, "Kernels". :func:`encode`, :func:`decode` and :func:`reduc
 ``backend``:
 
 * ``"reference"``: the codec's own ``_encode`` / ``_decode`` / ``_reduce`` (pure PyTorch, any
-  device; on the CPU this is the fast path);
+  device);
 * ``"triton"``: the codec's Triton kernel, natively on CUDA tensors and through Triton's
   interpreter on CPU tensors (slow: for tests). Triton fixes the mode when it is imported:
   if it is not imported yet, this sets ``TRITON_INTERPRET=1`` for the process (``"auto"``
@@ -19,9 +19,10 @@ Implements DESIGN.md, "Kernels". :func:`encode`, :func:`decode` and :func:`reduc
   or the ``torch.compile`` path below is switched on); the reference otherwise, and for
   codecs without kernels.
 
-The built-in families (``fp32``/``bf16``/``fp16``, ``int``, MX) have kernels in
-:mod:`dynamiq.kernels.passthrough`, :mod:`~dynamiq.kernels.intq` and :mod:`~dynamiq.kernels.mx`,
-bit-exact with the references. Plugin codecs add theirs with :func:`register_kernels`.
+Every built-in codec has Triton kernels, bit-exact with its reference:
+:mod:`dynamiq.kernels.passthrough` (``fp32``/``bf16``/``fp16``), :mod:`~dynamiq.kernels.intq`,
+:mod:`~dynamiq.kernels.mx`, :mod:`~dynamiq.kernels.dynamiq`, :mod:`~dynamiq.kernels.thc` and
+:mod:`~dynamiq.kernels.omnireduce`. Plugin codecs add theirs with :func:`register_kernels`.
 Kernels belong to a class, not to its subclasses (a subclass may change what the reference
 computes): a subclass runs on its reference until it registers kernels itself.
 
@@ -109,6 +110,8 @@ _BUILTIN = {
     "dynamiq.codecs.passthrough.FP16Codec": "passthrough",
     "dynamiq.codecs.intq.IntCodec": "intq",
     "dynamiq.codecs.dynamiq_codec.DynamiqCodec": "dynamiq",
+    "dynamiq.codecs.thc.ThcCodec": "thc",
+    "dynamiq.codecs.omnireduce.OmniReduceCodec": "omnireduce",
     **{f"dynamiq.codecs.mx.{c}": "mx" for c in ("MXFP8E4M3", "MXFP8E5M2", "MXFP6E3M2")},
     **{f"dynamiq.codecs.mx.{c}": "mx" for c in ("MXFP6E2M3", "MXFP4", "MXINT8")},
 }
