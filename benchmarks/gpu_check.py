@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 #: codecs timed; the first two are the headline
 TIMED = ["int8", "mxfp8_e4m3", "int4", "mxfp4", "mxfp6_e3m2", "bf16", "fp32", "dynamiq"]
-TIMED += ["omnireduce"]
+TIMED += ["omnireduce", "thc"]
 #: non-default configurations checked beside the registered names
 EXTRA = {
     "int4_stochastic": {"id": "int", "bits": 4, "rounding": "stochastic"},
@@ -250,13 +250,23 @@ def check_exactness(device: Any, small: bool) -> list[dict[str, Any]]:
                             got_v = K.decode(codec, want_p.to(device), n, ctx, backend="triton")
                             want_v = K.decode(codec, want_p, n, ctx, backend="reference")
                             got_r = _run(
-                                K.reduce, codec, want_p.to(device), local.to(device), ctx,
-                                out_ctx, backend="triton",
-                            )  # fmt: skip
+                                K.reduce,
+                                codec,
+                                want_p.to(device),
+                                local.to(device),
+                                ctx,
+                                out_ctx,
+                                backend="triton",
+                            )
                             want_r = _run(
-                                K.reduce, codec, want_p, local.to(rdev), ctx, out_ctx,
+                                K.reduce,
+                                codec,
+                                want_p,
+                                local.to(rdev),
+                                ctx,
+                                out_ctx,
                                 backend="reference",
-                            )  # fmt: skip
+                            )
                             checks += [("decode", got_v, want_v)]
                             if isinstance(want_r, tuple) or isinstance(got_r, tuple):
                                 raised = isinstance(got_r, tuple) and got_r == want_r
@@ -275,8 +285,10 @@ def check_exactness(device: Any, small: bool) -> list[dict[str, Any]]:
                             ok &= same
         assert K.last_backend() == "reference"
         secs = time.perf_counter() - t0
-        print(f"  {name:22s} {'ok' if ok else 'MISMATCH':9s} {cases:5d} cases {secs:6.1f}s"
-              + (f"  first: {first_bad}" if first_bad else ""))  # fmt: skip
+        print(
+            f"  {name:22s} {'ok' if ok else 'MISMATCH':9s} {cases:5d} cases {secs:6.1f}s"
+            + (f"  first: {first_bad}" if first_bad else "")
+        )
         report.append({"codec": name, "ok": ok, "cases": cases, "first_mismatch": first_bad})
     return report
 
@@ -309,11 +321,18 @@ def _timer(device: Any, iters: int) -> Callable[[Callable[[], Any]], float]:
     return measure
 
 
+class _OneRank:
+    """The exchange a codec's ``prologue`` gets, for a world of one rank."""
+
+    def allgather(self, tensor: Any) -> list[Any]:
+        return [tensor]
+
+
 def time_kernels(device: Any, numel: int, local_dtype: Any, iters: int) -> dict[str, Any]:
     import torch
 
     import dynamiq.kernels as K
-    from dynamiq.codecs import get_codec
+    from dynamiq.codecs import HopContext, get_codec
 
     measure = _timer(device, iters)
     big = torch.randn(numel, device=device)
@@ -327,26 +346,42 @@ def time_kernels(device: Any, numel: int, local_dtype: Any, iters: int) -> dict[
         "copy_bandwidth_gbs": copy_bw / 1e9,
         "codecs": {},
     }
-    print(f"\ntiming on {numel} values, local {out['local_dtype']}; "
-          f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (torch clone, read + write)")  # fmt: skip
+    print(
+        f"\ntiming on {numel} values, local {out['local_dtype']}; "
+        f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (torch clone, read + write)"
+    )
     head = ("codec", "fused ms", "unfused ms", "torch ms", "GB/s", "roofline", "vs unfused")
     print("  {:12s} {:>9s} {:>10s} {:>9s} {:>7s} {:>9s} {:>10s}".format(*head))
     g = torch.Generator(device=device).manual_seed(0)
     for name in TIMED:
         codec = get_codec(name)
         local = torch.randn(numel, device=device, generator=g).to(local_dtype)
-        payload = K.encode(codec, torch.randn(numel, device=device, generator=g), backend="triton")
+        first = torch.randn(numel, device=device, generator=g)
+        # a hop inside a collective: one contribution in, two out, with what a codec's
+        # prologue agrees on (THC's scales, OmniReduce's threshold) from a one-rank exchange
+        prologue = getattr(codec, "prologue", None)
+        shared = prologue(first, _OneRank()) if callable(prologue) else None
+        c_in = HopContext(contributions=1, shared=shared)
+        c_out = HopContext(contributions=2, shared=shared)
+        payload = K.encode(codec, first, c_in, backend="triton")
+        del first
 
-        def fused(c: Any = codec, p: Any = payload, x: Any = local) -> Any:
-            return K.reduce(c, p, x, backend="triton")
+        def fused(
+            c: Any = codec, p: Any = payload, x: Any = local, a: Any = c_in, b: Any = c_out
+        ) -> Any:
+            return K.reduce(c, p, x, a, b, backend="triton")
 
-        def unfused(c: Any = codec, p: Any = payload, x: Any = local) -> Any:
+        def unfused(
+            c: Any = codec, p: Any = payload, x: Any = local, a: Any = c_in, b: Any = c_out
+        ) -> Any:
             return K.encode(
-                c, K.decode(c, p, x.numel(), backend="triton") + x.float(), backend="triton"
+                c, K.decode(c, p, x.numel(), a, backend="triton") + x.float(), b, backend="triton"
             )
 
-        def reference(c: Any = codec, p: Any = payload, x: Any = local) -> Any:
-            return K.reduce(c, p, x, backend="reference")
+        def reference(
+            c: Any = codec, p: Any = payload, x: Any = local, a: Any = c_in, b: Any = c_out
+        ) -> Any:
+            return K.reduce(c, p, x, a, b, backend="reference")
 
         before = sum(K.launch_counts().values())
         t_fused = measure(fused)
@@ -366,9 +401,11 @@ def time_kernels(device: Any, numel: int, local_dtype: Any, iters: int) -> dict[
             "speedup_vs_reference": t_ref / t_fused,
         }
         out["codecs"][name] = row
-        print(f"  {name:12s} {t_fused * 1e3:9.3f} {t_unfused * 1e3:10.3f} {t_ref * 1e3:9.3f} "
-              f"{row['fused_bandwidth_gbs']:7.0f} {row['roofline_fraction']:9.0%} "
-              f"{row['speedup_vs_unfused']:9.2f}x")  # fmt: skip
+        print(
+            f"  {name:12s} {t_fused * 1e3:9.3f} {t_unfused * 1e3:10.3f} {t_ref * 1e3:9.3f} "
+            f"{row['fused_bandwidth_gbs']:7.0f} {row['roofline_fraction']:9.0%} "
+            f"{row['speedup_vs_unfused']:9.2f}x"
+        )
         del local, payload
     return out
 
