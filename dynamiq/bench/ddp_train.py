@@ -17,11 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dynamiq.data.model import ModelConfig, build_model
+from dynamiq.data.model import ModelConfig, build_model, lm_loss
 
 __all__ = [
     "ModelShape",
@@ -115,13 +113,6 @@ def _batch(data: torch.Tensor, cfg: TrainConfig, rank: int, world: int, step: in
     """``cfg.batch`` windows from this rank's shard, drawn by a (seed, step, rank) generator."""
     seed = cfg.seed * 1_000_003 + step * 131 + rank
     return shard_windows(data, rank, world, cfg.seq_len, cfg.batch, seed)
-
-
-def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Mean next-byte cross-entropy (nats, computed in fp32) of a ``[batch, seq_len + 1]``
-    byte tensor; ``model`` may be wrapped in DDP."""
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
 _loss = lm_loss  # the name the tests use

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ModelConfig", "TinyTransformer", "build_model", "param_layout"]
+__all__ = ["ModelConfig", "TinyTransformer", "build_model", "lm_loss", "param_layout"]
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,14 @@ class TinyTransformer(nn.Module):
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-byte cross-entropy (nats) of a ``[batch, seq_len + 1]`` byte tensor."""
-        logits = self(batch[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        return lm_loss(self, batch)
+
+
+def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross-entropy (nats, computed in fp32) of a ``[batch, seq_len + 1]``
+    byte tensor; ``model`` (a :class:`TinyTransformer`) may be wrapped in DDP."""
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
 def build_model(cfg: ModelConfig, seed: int) -> TinyTransformer:
