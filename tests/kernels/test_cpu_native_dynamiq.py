@@ -246,6 +246,28 @@ def test_real_gradients() -> None:
         check_all(codec, x, local, pair, f"real gradients {cfg}")
 
 
+def test_large_spans() -> None:
+    """The configurations of the benchmarks beyond the default span: 2^20-value spans (one
+    full span and a short one) over "layers" of real gradients at different scales,
+    super-groups of 4096, the 8.5-bit layout (groups of 8, quarter-octave scales), a low
+    budget."""
+    from dynamiq.data import load_slice
+
+    grads = load_slice()
+    n = (1 << 20) + 40_000
+    reps = -(-n // grads.shape[1])
+    scale = torch.exp2(torch.arange(reps, dtype=torch.float32) % 13 - 6)
+    x = (grads[0].repeat(reps).view(reps, -1) * scale[:, None]).reshape(-1)[:n].contiguous()
+    local = grads[1].repeat(reps)[:n].contiguous().to(torch.bfloat16)
+    pair = (HopContext(hop=0, num_hops=7, offset=4096), HopContext(hop=1, num_hops=7, offset=4096))
+    for cfg in (
+        {"span": 1 << 20, "super_group": 4096},
+        {"span": 1 << 20, "bits": 7.98, "group": 8, "scale_steps": 4},
+        {"span": 1 << 20, "bits": 1.4844},
+    ):
+        check_all(dq(**cfg), x, local, pair, f"large span {cfg}")
+
+
 @pytest.mark.parametrize(
     ("rounding", "group", "num_hops", "levels"),
     [
