@@ -306,6 +306,35 @@ def test_many_chunks_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
         torch.set_num_threads(threads)
 
 
+def test_eight_bit_codes_and_fp32_values_in_place_over_chunks_and_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """8-bit codes are read from and written to the payloads in place, and fp32 values read
+    where they lie (no staging copy): several chunks, a partial last one, 1 and 3 threads, fp32
+    and bf16 inputs, the same bytes as the reference."""
+    monkeypatch.setattr(cpu_native, "_PER_THREAD", 64)  # threads even for small inputs
+    threads = torch.get_num_threads()
+    codecs = [
+        get_codec("int8"),
+        int_codec(8, 24, "stochastic", "fp32"),
+        int_codec(8, 5, "nearest", "e8m0"),
+        get_codec("mxfp8_e4m3"),
+        get_codec("mxint8"),
+    ]
+    try:
+        for nt in (3, 1):
+            torch.set_num_threads(nt)
+            for i, codec in enumerate(codecs):
+                n = 3 * 4096 + 77
+                x = clamp_to(random_values(n, 30 + i), codec)
+                local = clamp_to(random_values(n, 40 + i), codec)
+                for dtype in (torch.float32, torch.bfloat16):
+                    check_all(codec, as_dtype(x, dtype), as_dtype(local, dtype), CTXS[1],
+                              CTXS[2], f"{nt} threads")  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+
+
 int_configs = st.builds(
     int_codec,
     bits=st.integers(2, 8),

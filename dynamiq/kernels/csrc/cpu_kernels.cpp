@@ -162,6 +162,14 @@ void pack_any(int bits, const uint8_t* c, int64_t g0, int64_t ng, uint8_t* s, in
 }
 
 
+// Software prefetch of the values 6 KB ahead of a block of 32 at x (pass 1 reads the values or
+// local slice where they lie, straight from memory; measured: 2-5 % faster than the hardware
+// prefetcher alone). A prefetch never faults, so it may point past the end.
+inline void prefetch_ahead(const float* x) {
+  __builtin_prefetch(x + 1536, 0, 3);
+  __builtin_prefetch(x + 1536 + 16, 0, 3);
+}
+
 // -- INT codec (dynamiq/codecs/intq.py) -----------------------------------------------------
 
 struct IntScale {
@@ -194,7 +202,11 @@ IntScale int_scale(uint32_t a, int64_t qmax, int kq, int fmt, uint32_t max_in_bi
   int32_t sh = e2 - ge;
   int64_t num = m24 << std::max(sh, 0);
   int64_t den = qmax << std::min(std::max(-sh, 0), 40);
-  int64_t nn = (num + den - 1) / den;
+  // nn = ceil(num / den) through a double division (pipelined, unlike a 64-bit integer one),
+  // exactly: num < 2^32 and den < 2^48 are exact doubles and the quotient is correctly
+  // rounded, so its error is below num / den * 2^-53 < 1 / den, while a quotient that is not
+  // an integer is at least 1 / den away from one: the rounded quotient has the same ceiling
+  int64_t nn = (int64_t)std::ceil((double)num / (double)den);
   int32_t ln = 63 - __builtin_clzll((uint64_t)nn);
   int32_t ed = ge + ln;
   uint32_t man23 = (uint32_t)(((nn << 23) >> ln) & 0x7FFFFF);
@@ -255,26 +267,30 @@ inline void int_store_scale(uint8_t* scales, int64_t blk, int fmt, uint32_t stor
 // second loop would reload what this one just stored)
 template <int BS>
 inline uint32_t int_decode_add(const uint8_t* __restrict c, int64_t len_, int bits, float s,
-                               float* __restrict v) {
+                               const float* __restrict src, float* __restrict v) {
   const int64_t len = BS > 0 ? BS : len_;
   const int sh = 8 - bits;
   uint32_t m = 0;
   for (int64_t i = 0; i < len; i++) {
     int32_t code = (int32_t)(int8_t)(uint8_t)(c[i] << sh) >> sh;
     float p = (float)code * s;
-    float x = p + v[i];
+    float x = p + src[i];
     v[i] = x;
     m = std::max(m, f2u(x) & 0x7FFFFFFFu);
   }
   return m;
 }
 
-// integer max of |v| bits over a block (NaN > Inf > finite)
+// v = src over a block and the integer max of its |v| bits (NaN > Inf > finite)
 template <int BS>
-inline uint32_t block_absmax_bits(const float* __restrict v, int64_t len_) {
+inline uint32_t block_absmax_bits(const float* __restrict src, int64_t len_,
+                                  float* __restrict v) {
   const int64_t len = BS > 0 ? BS : len_;
   uint32_t m = 0;
-  for (int64_t i = 0; i < len; i++) m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
+  for (int64_t i = 0; i < len; i++) {
+    v[i] = src[i];
+    m = std::max(m, f2u(src[i]) & 0x7FFFFFFFu);
+  }
   return m;
 }
 
@@ -337,12 +353,15 @@ inline void int_decode_block(const IntJob& j, int64_t b, int64_t len_,
 // block's scale overlaps the work of the others: (1) the values (reduce: the decoded incoming
 // codes c plus the local values v) and their absmax, (2) the scales, (3) the codes.
 
-// pass 1 for block b: its values in v and the integer max of their magnitude bits
+// pass 1 for block b: its values in v (from the values or local slice src) and the integer
+// max of their magnitude bits
 template <int BS>
-inline uint32_t int_values_block(const IntJob& j, int64_t b, int64_t len, float* __restrict v,
+inline uint32_t int_values_block(const IntJob& j, int64_t b, int64_t len,
+                                 const float* __restrict src, float* __restrict v,
                                  const uint8_t* __restrict c) {
-  if (j.op != 1) return block_absmax_bits<BS>(v, len);
-  return int_decode_add<BS>(c, len, j.bits, int_load_scale(j.in_scales, b, j.fmt), v);
+  prefetch_ahead(src);
+  if (j.op != 1) return block_absmax_bits<BS>(src, len, v);
+  return int_decode_add<BS>(c, len, j.bits, int_load_scale(j.in_scales, b, j.fmt), src, v);
 }
 
 // pass 3 for block b: its codes with scale S
@@ -405,12 +424,17 @@ int dq_int_run(dq_int_args* a) {
                    qmax,          bs,          a->max_in_bits,         a->key0,
                    a->key1,       a->offset,   in_scales,              out_scales};
 
+  // fp32 values are read where they are, and 8-bit codes read from the incoming stream and
+  // written into the outgoing one directly (no staging copy: these loops overlap the memory
+  // traffic with the arithmetic)
+  const bool direct_x = a->in_kind == 0, direct_codes = bits == 8;
   auto work = [&](int64_t t0, int64_t t1, int th) -> bool {
-    std::vector<float> vals, scale;
+    std::vector<float> vals, loaded, scale;
     std::vector<uint8_t> codes;
     std::vector<uint32_t> amax;
     try {
       vals.resize((size_t)(per_chunk * T));
+      if (!direct_x) loaded.resize((size_t)(per_chunk * T));
       codes.resize((size_t)(per_chunk * T + 8));
       amax.resize((size_t)(per_chunk * L));
       scale.resize((size_t)(per_chunk * L));
@@ -430,14 +454,22 @@ int dq_int_run(dq_int_args* a) {
         }
         continue;
       }
-      load_values_any(a->in_kind, a->x, e0, cnt, vals.data());
-      if (a->op == 1) unpack_any(bits, in_stream, nbytes, e0 / 8, ng, codes.data());
+      const float* src = (const float*)a->x + e0;
+      if (!direct_x) {
+        load_values_any(a->in_kind, a->x, e0, cnt, loaded.data());
+        src = loaded.data();
+      }
+      const uint8_t* cin = codes.data();
+      if (a->op == 1 && direct_codes) cin = in_stream + e0;
+      else if (a->op == 1) unpack_any(bits, in_stream, nbytes, e0 / 8, ng, codes.data());
+      uint8_t* cout = direct_codes ? out_stream + e0 : codes.data();
       for (int64_t b = b0; b < b1; b++) {  // pass 1: values and block maxima
         const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
         float* v = vals.data() + s0;
-        const uint8_t* c = codes.data() + s0;
-        amax[b - b0] = len == 32 ? int_values_block<32>(job, b, len, v, c)
-                                 : int_values_block<0>(job, b, len, v, c);
+        const float* x = src + s0;
+        const uint8_t* c = cin + s0;
+        amax[b - b0] = len == 32 ? int_values_block<32>(job, b, len, x, v, c)
+                                 : int_values_block<0>(job, b, len, x, v, c);
       }
       for (int64_t b = b0; b < b1; b++) {  // pass 2: scales
         const uint32_t m = amax[b - b0];
@@ -449,10 +481,11 @@ int dq_int_run(dq_int_args* a) {
       for (int64_t b = b0; b < b1; b++) {  // pass 3: codes
         const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
         const float* v = vals.data() + s0;
-        uint8_t* c = codes.data() + s0;
+        uint8_t* c = cout + s0;
         if (len == 32) int_codes_block<32>(job, b, len, v, scale[b - b0], c);
         else int_codes_block<0>(job, b, len, v, scale[b - b0], c);
       }
+      if (direct_codes) continue;
       std::memset(codes.data() + cnt, 0, (size_t)(8 * ng - cnt));
       pack_any(bits, codes.data(), e0 / 8, ng, out_stream, nbytes);
     }
@@ -578,15 +611,17 @@ void mx_decode_chunk(const MxJob& j, int64_t n, int64_t b0, int64_t b1, const ui
 // pass 1 for block b: its values in v (reduce: element value * scale, then + local) and the
 // integer max of their magnitude bits (in the same loop)
 template <int BS, int SPEC>
-inline uint32_t mx_values_block(const MxJob& j, int64_t b, int64_t len_, float* __restrict v,
+inline uint32_t mx_values_block(const MxJob& j, int64_t b, int64_t len_,
+                                const float* __restrict src, float* __restrict v,
                                 const uint8_t* __restrict c) {
   const int64_t len = BS > 0 ? BS : len_;
-  if (j.op != 1) return block_absmax_bits<BS>(v, len);
+  prefetch_ahead(src);
+  if (j.op != 1) return block_absmax_bits<BS>(src, len, v);
   const float s = e8m0_value(j.in_scales[b]);
   uint32_t m = 0;
   for (int64_t i = 0; i < len; i++) {
     float p = mx_decode_element<SPEC>(c[i], j.f) * s;
-    float x = p + v[i];
+    float x = p + src[i];
     v[i] = x;
     m = std::max(m, f2u(x) & 0x7FFFFFFFu);
   }
@@ -608,20 +643,22 @@ inline void mx_codes_block(const MxJob& j, int64_t len, const float* __restrict 
   else mx_encode_codes<0, SPEC>(v, len, (int32_t)sc - 127, j.f, c);
 }
 
-// the three passes over blocks [b0, b1) (at most 128) whose values are in vals
+// the three passes over blocks [b0, b1) (at most 128) whose values or local slice are in
+// src: values into vals, incoming codes (reduce) from cin, outgoing codes into cout
 template <int SPEC>
-void mx_encode_chunk(const MxJob& j, int64_t n, int64_t b0, int64_t b1, float* vals,
-                     uint8_t* codes) {
+void mx_encode_chunk(const MxJob& j, int64_t n, int64_t b0, int64_t b1, const float* src,
+                     float* vals, const uint8_t* cin, uint8_t* cout) {
   uint32_t amax[128];
   for (int64_t b = b0; b < b1; b++) {  // pass 1: values and block maxima
     const int64_t s0 = (b - b0) * 32, len = std::min<int64_t>(32, n - b * 32);
-    amax[b - b0] = len == 32 ? mx_values_block<32, SPEC>(j, b, len, vals + s0, codes + s0)
-                             : mx_values_block<0, SPEC>(j, b, len, vals + s0, codes + s0);
+    amax[b - b0] =
+        len == 32 ? mx_values_block<32, SPEC>(j, b, len, src + s0, vals + s0, cin + s0)
+                  : mx_values_block<0, SPEC>(j, b, len, src + s0, vals + s0, cin + s0);
   }
   for (int64_t b = b0; b < b1; b++) j.out_scales[b] = mx_scale_code(amax[b - b0], j.f.emax);
   for (int64_t b = b0; b < b1; b++) {  // pass 3: codes
     const int64_t s0 = (b - b0) * 32, len = std::min<int64_t>(32, n - b * 32);
-    mx_codes_block<SPEC>(j, len, vals + s0, j.out_scales[b], codes + s0);
+    mx_codes_block<SPEC>(j, len, vals + s0, j.out_scales[b], cout + s0);
   }
 }
 
@@ -655,8 +692,11 @@ int dq_mx_run(dq_mx_args* a) {
   uint8_t* out_stream = a->out ? a->out + nblocks : nullptr;
   const MxJob job{a->op, a->specials, f, a->in, a->out};
 
+  // fp32 values read in place, 8-bit codes straight from / into the streams (as dq_int_run)
+  const bool direct_x = a->in_kind == 0, direct_codes = bits == 8;
   auto work = [&](int64_t t0, int64_t t1, int) -> bool {
     float vals[per_chunk * 32];
+    float loaded[per_chunk * 32];
     uint8_t codes[per_chunk * 32 + 8];
     for (int64_t tc = t0; tc < t1; tc += per_chunk) {
       const int64_t b1 = std::min(t1, tc + per_chunk);
@@ -673,14 +713,22 @@ int dq_mx_run(dq_mx_args* a) {
         }
         continue;
       }
-      load_values_any(a->in_kind, a->x, e0, cnt, vals);
-      if (a->op == 1) unpack_any(bits, in_stream, nbytes, e0 / 8, ng, codes);
-      switch (job.specials) {
-        case SPEC_IEEE: mx_encode_chunk<SPEC_IEEE>(job, n, tc, b1, vals, codes); break;
-        case SPEC_FN: mx_encode_chunk<SPEC_FN>(job, n, tc, b1, vals, codes); break;
-        case SPEC_NONE: mx_encode_chunk<SPEC_NONE>(job, n, tc, b1, vals, codes); break;
-        default: mx_encode_chunk<SPEC_INT>(job, n, tc, b1, vals, codes); break;
+      const float* src = (const float*)a->x + e0;
+      if (!direct_x) {
+        load_values_any(a->in_kind, a->x, e0, cnt, loaded);
+        src = loaded;
       }
+      const uint8_t* cin = codes;
+      if (a->op == 1 && direct_codes) cin = in_stream + e0;
+      else if (a->op == 1) unpack_any(bits, in_stream, nbytes, e0 / 8, ng, codes);
+      uint8_t* cout = direct_codes ? out_stream + e0 : codes;
+      switch (job.specials) {
+        case SPEC_IEEE: mx_encode_chunk<SPEC_IEEE>(job, n, tc, b1, src, vals, cin, cout); break;
+        case SPEC_FN: mx_encode_chunk<SPEC_FN>(job, n, tc, b1, src, vals, cin, cout); break;
+        case SPEC_NONE: mx_encode_chunk<SPEC_NONE>(job, n, tc, b1, src, vals, cin, cout); break;
+        default: mx_encode_chunk<SPEC_INT>(job, n, tc, b1, src, vals, cin, cout); break;
+      }
+      if (direct_codes) continue;
       std::memset(codes + cnt, 0, (size_t)(8 * ng - cnt));
       pack_any(bits, codes, e0 / 8, ng, out_stream, nbytes);
     }
