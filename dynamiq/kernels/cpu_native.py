@@ -109,15 +109,21 @@ class CPUKernelsUnavailableWarning(RuntimeWarning):
 # -- the argument structures of csrc/cpu_kernels.cpp ------------------------------------------
 
 
+#: the fields every argument structure starts with, in this order
+_COMMON_FIELDS = [
+    ("op", ctypes.c_int32),
+    ("in_kind", ctypes.c_int32),
+    ("x", ctypes.c_void_p),
+    ("inp", ctypes.c_void_p),
+    ("out", ctypes.c_void_p),
+    ("out_values", ctypes.c_void_p),
+    ("n", ctypes.c_int64),
+]
+
+
 class _IntArgs(ctypes.Structure):
     _fields_ = [  # the C struct dq_int_args
-        ("op", ctypes.c_int32),
-        ("in_kind", ctypes.c_int32),
-        ("x", ctypes.c_void_p),
-        ("inp", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("out_values", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
+        *_COMMON_FIELDS,
         ("block_size", ctypes.c_int64),
         ("bits", ctypes.c_int32),
         ("fmt", ctypes.c_int32),
@@ -133,13 +139,7 @@ class _IntArgs(ctypes.Structure):
 
 class _MXArgs(ctypes.Structure):
     _fields_ = [  # the C struct dq_mx_args
-        ("op", ctypes.c_int32),
-        ("in_kind", ctypes.c_int32),
-        ("x", ctypes.c_void_p),
-        ("inp", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("out_values", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
+        *_COMMON_FIELDS,
         ("specials", ctypes.c_int32),
         ("nmant", ctypes.c_int32),
         ("bias", ctypes.c_int32),
@@ -154,13 +154,7 @@ class _MXArgs(ctypes.Structure):
 
 class _DynArgs(ctypes.Structure):
     _fields_ = [  # the C struct dq_dyn_args (csrc/dynamiq_kernels.cpp)
-        ("op", ctypes.c_int32),
-        ("in_kind", ctypes.c_int32),
-        ("x", ctypes.c_void_p),
-        ("inp", ctypes.c_void_p),
-        ("out", ctypes.c_void_p),
-        ("out_values", ctypes.c_void_p),
-        ("n", ctypes.c_int64),
+        *_COMMON_FIELDS,
         ("span", ctypes.c_int64),
         ("super_group", ctypes.c_int64),
         ("group", ctypes.c_int64),

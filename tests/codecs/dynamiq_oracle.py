@@ -5,7 +5,9 @@ replaced, kept verbatim in logic: one span at a time, a host-synchronised binary
 the water-filling threshold per span, one boolean mask per width, and bit-by-bit packing. It
 is slow and obviously correct; ``test_dynamiq_codec.py`` checks that the batched codec gives
 the same wire bytes, the same decoded values and the same ``max_abs_error`` for every
-configuration. It reads only the codec's configuration fields, never its methods.
+configuration. It reads only the codec's configuration fields, never its methods; the data
+both share (level tables, the integer priorities, a table's error units) come from the
+codec's module.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import math
 
 import torch
 
-from dynamiq.codecs._dynamiq_levels import DISTORTION_FITTED, LEVELS
 from dynamiq.codecs.base import HopContext
-from dynamiq.codecs.dynamiq_codec import DynamiqCodec
+from dynamiq.codecs.dynamiq_codec import _PRIORITY, DynamiqCodec, _max_error_units
+from dynamiq.codecs.dynamiq_codec import level_table as _level_table
 from dynamiq.codecs.formats import exponent_of
 from dynamiq.codecs.hashing import hash_keys, hash_u32, uniform_open01
 
@@ -24,32 +26,6 @@ __all__ = ["DynamiqOracle"]
 
 _MAX_W = 8
 _E_MAX = 15
-
-
-def _priority(k: int) -> tuple[int, ...]:
-    d = DISTORTION_FITTED
-    return tuple(round(4 * k * math.log2(d[w] - d[w + 1])) for w in range(8))
-
-
-def _level_table(kind: str, width: int) -> torch.Tensor:
-    if width == 0:
-        return torch.zeros(0)
-    if kind == "fitted":
-        half = torch.tensor(LEVELS[width], dtype=torch.float32)
-        return torch.cat([-half.flip(0), half])
-    n = 1 << width
-    k = torch.arange(n, dtype=torch.float64)
-    return (2 * k / (n - 1) - 1).float()
-
-
-def _max_error_units(levels: torch.Tensor, stochastic: bool) -> float:
-    if levels.numel() == 0:
-        return 1.0
-    lv = levels.double()
-    gaps = lv[1:] - lv[:-1] if lv.numel() > 1 else torch.zeros(1, dtype=torch.float64)
-    ends = max(float(lv[0] + 1), float(1 - lv[-1]))
-    inner = float(gaps.max()) if stochastic else float(gaps.max()) / 2
-    return max(inner, ends)
 
 
 class DynamiqOracle:
@@ -140,7 +116,7 @@ class DynamiqOracle:
             return torch.where(live, flat, 0).to(torch.int64)
         if not bool(live.any()):
             return torch.zeros(n_g, dtype=torch.int64, device=e.device)
-        q = torch.tensor(_priority(k), dtype=torch.int64, device=e.device)
+        q = torch.tensor(_PRIORITY[k], dtype=torch.int64, device=e.device)
         prio = torch.where(live.unsqueeze(1), 8 * level.unsqueeze(1) + q, -(1 << 40))
 
         def cost(tau: int) -> int:
