@@ -110,7 +110,7 @@ class CPUKernelsUnavailableWarning(RuntimeWarning):
 
 
 #: the fields every argument structure starts with, in this order
-_COMMON_FIELDS = [
+_COMMON_FIELDS: list[tuple[str, Any]] = [
     ("op", ctypes.c_int32),
     ("in_kind", ctypes.c_int32),
     ("x", ctypes.c_void_p),
