@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dynamiq.codecs import HopContext, get_codec, list_codecs
+from dynamiq.codecs import HopContext, UnknownCodecError, get_codec, list_codecs
 
 __all__ = ["codec_table", "main", "markdown_table", "slice_errors"]
 
@@ -249,6 +249,7 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
         args.numel,
         device,
         iters=args.iters,
+        burst=args.burst,
         compile=args.compile,
         progress=not args.json,
         backend=args.backend,
@@ -343,7 +344,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--codecs", default="int8,mxfp8_e4m3,mxfp4,int4,bf16", help="codec ids")
     p.add_argument("--numel", type=int, default=1 << 24, help="values per buffer (16M)")
     p.add_argument("--device", default="", help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--iters", type=int, default=5, help="timed runs (median)")
+    p.add_argument(
+        "--iters", type=int, default=5, help="rounds; each times every path (median of rounds)"
+    )
+    p.add_argument(
+        "--burst",
+        type=int,
+        default=3,
+        help="consecutive timed calls of one path per round, after an untimed one (median)",
+    )
     p.add_argument(
         "--backend",
         default="auto",
@@ -373,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `dynamiq codecs | head`
         sys.stderr.close()
         return 0
+    except UnknownCodecError as e:  # a typo in --codecs: the message lists the known ids
+        print(f"dynamiq: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
