@@ -291,10 +291,19 @@ def test_int_block_beyond_max_input_abs_raises_like_the_reference(fmt: str) -> N
 
 
 def test_many_chunks_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inputs cut into several chunks and threads give the same bytes as one thread."""
+    """Inputs cut into several chunks and threads give the same bytes as one thread (3, 5, 6
+    and 7-bit codes are packed with 8-byte stores inside a chunk: none may reach the next
+    chunk's bytes)."""
     monkeypatch.setattr(cpu_native, "_PER_THREAD", 64)  # threads even for small inputs
     threads = torch.get_num_threads()
-    codecs = [get_codec("int4"), int_codec(5, 12, "stochastic", "fp16"), get_codec("mxfp6_e2m3")]
+    codecs = [
+        get_codec("int4"),
+        int_codec(5, 12, "stochastic", "fp16"),
+        get_codec("mxfp6_e2m3"),
+        get_codec("int3"),
+        int_codec(7, 12),
+        int_codec(6, 100, "nearest", "e8m0"),
+    ]
     try:
         for nt in (3, 1):
             torch.set_num_threads(nt)

@@ -37,6 +37,32 @@ namespace {
 // -- dense LSB-first bit packing (dynamiq/codecs/packing.py) ----------------------------------
 // Group g of 8 consecutive codes occupies bytes [g * BITS, (g + 1) * BITS) of the stream.
 
+// One group in a 64-bit word: the 8 BITS-bit codes packed LSB-first in its low 8 * BITS bits
+// <-> one code in the low bits of each byte. Three shift-and-mask steps (32-, 16-, then 8-bit
+// lanes) instead of eight shifts and byte stores, with whole 8-byte loads and stores where
+// they stay inside the stream (unpack) or this call's bytes (pack); the same bits. Measured
+// (16M values, one thread): the fused reduce 24-27 % faster for 3, 5 and 7 bits than with
+// per-code loops and BITS-byte copies, as fast for 6 bits. (BMI2's pdep/pext, one
+// instruction a group, measured 30-80 % slower than either here.)
+template <int BITS>
+inline uint64_t spread_group(uint64_t w) {
+  constexpr uint64_t M4 = (uint64_t(1) << (4 * BITS)) - 1;
+  constexpr uint64_t M2 = ((uint64_t(1) << (2 * BITS)) - 1) * 0x0000000100000001ull;
+  constexpr uint64_t M1 = ((uint64_t(1) << BITS) - 1) * 0x0001000100010001ull;
+  uint64_t x = (w & M4) | ((w >> (4 * BITS)) & M4) << 32;
+  x = (x & M2) | ((x >> (2 * BITS)) & M2) << 16;
+  return (x & M1) | ((x >> BITS) & M1) << 8;
+}
+
+template <int BITS>
+inline uint64_t gather_group(uint64_t c) {
+  constexpr uint64_t BYTES = ((uint64_t(1) << BITS) - 1) * 0x0101010101010101ull;
+  c &= BYTES;
+  uint64_t x = (c & 0x00FF00FF00FF00FFull) | ((c >> 8) & 0x00FF00FF00FF00FFull) << BITS;
+  x = (x & 0x0000FFFF0000FFFFull) | ((x >> 16) & 0x0000FFFF0000FFFFull) << (2 * BITS);
+  return (x & 0xFFFFFFFFull) | (x >> 32) << (4 * BITS);
+}
+
 // codes of groups [g0, g0 + ng) of a stream of nbytes bytes -> out[0 .. 8 * ng)
 template <int BITS>
 void unpack(const uint8_t* __restrict stream, int64_t nbytes, int64_t g0, int64_t ng,
@@ -59,35 +85,33 @@ void unpack(const uint8_t* __restrict stream, int64_t nbytes, int64_t g0, int64_
     std::memset(out + avail * PER, 0, (size_t)((ng * BITS - avail) * PER));
     return;
   }
-  if constexpr (BITS == 6) {  // four codes per three bytes
-    const int64_t full = avail / 3;
-    for (int64_t k = 0; k < full; k++) {
-      const uint32_t w = (uint32_t)stream[b0 + 3 * k] | (uint32_t)stream[b0 + 3 * k + 1] << 8 |
-                         (uint32_t)stream[b0 + 3 * k + 2] << 16;
-      for (int j = 0; j < 4; j++) out[4 * k + j] = (uint8_t)((w >> (6 * j)) & MASK);
-    }
-    int64_t done = 4 * full;
-    if (3 * full < avail) {  // a last, partial triplet
-      uint32_t w = 0;
-      for (int64_t i = 3 * full; i < avail; i++) w |= (uint32_t)stream[b0 + i] << (8 * (i % 3));
-      for (int j = 0; j < 4; j++) out[done + j] = (uint8_t)((w >> (6 * j)) & MASK);
-      done += 4;
-    }
-    std::memset(out + done, 0, (size_t)(8 * ng - done));
-    return;
+  // 3, 5, 6, 7 bits: whole groups of BITS bytes, then the last group's bytes below nbytes
+  constexpr uint64_t LOW = BITS < 8 ? (uint64_t(1) << (8 * (BITS % 8))) - 1 : ~uint64_t(0);
+  const int64_t full = avail / BITS;
+  // groups whose 8-byte load stays inside the stream read 8 bytes (a few beyond the group,
+  // masked off): one load instead of a byte-by-byte BITS-byte copy
+  const int64_t wide = std::min<int64_t>(full, std::max<int64_t>(0, (nbytes - b0 - 8) / BITS + 1));
+  for (int64_t g = 0; g < wide; g++) {
+    uint64_t w;
+    std::memcpy(&w, stream + b0 + g * BITS, 8);
+    const uint64_t codes = spread_group<BITS>(w & LOW);
+    std::memcpy(out + 8 * g, &codes, 8);
   }
-  for (int64_t g = 0; g < ng; g++) {
-    int64_t off = (g0 + g) * BITS;
+  for (int64_t g = wide; g < full; g++) {
     uint64_t w = 0;
-    if (off + 8 <= nbytes) {
-      std::memcpy(&w, stream + off, 8);  // reads a few bytes beyond the group: masked below
-    } else {
-      int64_t avail = std::min<int64_t>(BITS, nbytes - off);
-      if (avail > 0) std::memcpy(&w, stream + off, (size_t)avail);
-    }
-    w &= BITS < 8 ? (uint64_t(1) << (8 * (BITS % 8))) - 1 : ~uint64_t(0);
-    for (int j = 0; j < 8; j++) out[8 * g + j] = (uint8_t)((w >> (j * BITS)) & MASK);
+    std::memcpy(&w, stream + b0 + g * BITS, BITS);
+    const uint64_t codes = spread_group<BITS>(w);
+    std::memcpy(out + 8 * g, &codes, 8);
   }
+  int64_t done = 8 * full;
+  if (full * BITS < avail) {
+    uint64_t w = 0;
+    std::memcpy(&w, stream + b0 + full * BITS, (size_t)(avail - full * BITS));
+    const uint64_t codes = spread_group<BITS>(w);
+    std::memcpy(out + done, &codes, 8);
+    done += 8;
+  }
+  std::memset(out + done, 0, (size_t)(8 * ng - done));
 }
 
 // the low BITS bits of codes[0 .. 8 * ng) -> groups [g0, g0 + ng), bytes below nbytes only
@@ -111,29 +135,22 @@ void pack(const uint8_t* __restrict codes, int64_t g0, int64_t ng, uint8_t* __re
     }
     return;
   }
-  if constexpr (BITS == 6) {  // four codes per three bytes
-    const int64_t full = avail / 3;
-    for (int64_t k = 0; k < full; k++) {
-      uint32_t w = 0;
-      for (int j = 0; j < 4; j++) w |= ((uint32_t)codes[4 * k + j] & MASK) << (6 * j);
-      stream[b0 + 3 * k] = (uint8_t)w;
-      stream[b0 + 3 * k + 1] = (uint8_t)(w >> 8);
-      stream[b0 + 3 * k + 2] = (uint8_t)(w >> 16);
-    }
-    if (3 * full < avail) {  // a last, partial triplet
-      uint32_t w = 0;
-      for (int j = 0; j < 4; j++) w |= ((uint32_t)codes[4 * full + j] & MASK) << (6 * j);
-      for (int64_t i = 3 * full; i < avail; i++) stream[b0 + i] = (uint8_t)(w >> (8 * (i % 3)));
-    }
-    return;
+  // 3, 5, 6, 7 bits: whole groups, then the bytes of a partial group below nbytes
+  // while 8 bytes fit below this call's last byte: one 8-byte store, whose bytes beyond the
+  // group the next group's store overwrites (never bytes of another thread's tile)
+  int64_t g = 0;
+  for (; g * BITS + 8 <= avail; g++) {
+    uint64_t c;
+    std::memcpy(&c, codes + 8 * g, 8);
+    const uint64_t w = gather_group<BITS>(c);
+    std::memcpy(stream + b0 + g * BITS, &w, 8);
   }
-  for (int64_t g = 0; g < ng; g++) {
-    uint64_t w = 0;
-    for (int j = 0; j < 8; j++) w |= ((uint64_t)codes[8 * g + j] & MASK) << (j * BITS);
-    int64_t off = (g0 + g) * BITS;
-    int64_t avail = std::min<int64_t>(BITS, nbytes - off);
-    if (avail == BITS) std::memcpy(stream + off, &w, BITS);
-    else if (avail > 0) std::memcpy(stream + off, &w, (size_t)avail);
+  for (; g * BITS < avail; g++) {
+    uint64_t c;
+    std::memcpy(&c, codes + 8 * g, 8);
+    const uint64_t w = gather_group<BITS>(c);
+    if (avail - g * BITS >= BITS) std::memcpy(stream + b0 + g * BITS, &w, BITS);
+    else std::memcpy(stream + b0 + g * BITS, &w, (size_t)(avail - g * BITS));
   }
 }
 
