@@ -85,10 +85,9 @@ from __future__ import annotations
 import functools
 import math
 import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -351,7 +350,9 @@ class DynamiqCodec(Codec):
         operation (unless its compilation failed) takes all the full spans at once: few,
         large parallel loops."""
         full, rest = divmod(numel, self.span)
-        whole = compiled_op is not None and _COMPILED.get((self, compiled_op), True) is not None
+        from dynamiq.kernels import _compiled  # not at import: the codecs come first
+
+        whole = compiled_op is not None and not _compiled.failed(self, f"{compiled_op}_rows")
         per = max(1, full if whole else _BLOCK // self.span)
         out = [(a, min(per, full - a), self.span) for a in range(0, full, per)]
         if rest:
@@ -543,7 +544,9 @@ class DynamiqCodec(Codec):
         fn = getattr(self, f"_{op}_rows")
         if not compiled or length != self.span:
             return fn
-        return functools.partial(_run_compiled, self, op)
+        from dynamiq.kernels import _compiled
+
+        return functools.partial(_compiled.run, self, f"{op}_rows", dynamic_rows=True)
 
     def _encode(self, x: torch.Tensor, ctx: HopContext, *, compiled: bool = False) -> torch.Tensor:
         """The reference encode; ``compiled``: the CPU fast path's compiled block functions
@@ -740,37 +743,6 @@ def _bf16_round_up(a: torch.Tensor) -> torch.Tensor:
     0xFFFF (what torch's CPU conversion writes)."""
     b = a.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     return _bf16_value(torch.where(torch.isnan(a), 0xFFFF, (b + 0xFFFF) >> 16))
-
-
-#: compiled block functions per (codec, op); None: the compiler failed, use the plain one
-_COMPILED: dict[tuple[Any, str], Callable[..., torch.Tensor] | None] = {}
-_COMPILED_LOCK = threading.Lock()
-
-
-def _run_compiled(codec: DynamiqCodec, op: str, *args: Any) -> torch.Tensor:
-    """``codec._{op}_rows(*args)`` through ``torch.compile`` (compiled once per codec and
-    operation, lazily; a failing compilation falls back to the plain function for good)."""
-    eager = getattr(codec, f"_{op}_rows")
-    key = (codec, op)
-    with _COMPILED_LOCK:
-        fn = _COMPILED.get(key, eager)
-    if fn is None:
-        return eager(*args)
-    try:
-        if fn is eager:
-            fn = torch.compile(eager, dynamic=None)
-            with _COMPILED_LOCK:
-                _COMPILED[key] = fn
-        # one compilation for any number of spans: only the row count is symbolic
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] >= 2:
-                torch._dynamo.mark_dynamic(a, 0)
-        return fn(*args)
-    except Exception:
-        # the block functions raise nothing on validated input: this was the compiler
-        with _COMPILED_LOCK:
-            _COMPILED[key] = None
-        return eager(*args)
 
 
 def _take(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

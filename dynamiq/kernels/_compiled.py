@@ -30,7 +30,7 @@ import torch
 if TYPE_CHECKING:
     from dynamiq.codecs.base import Codec
 
-__all__ = ["MIN_NUMEL", "cpu_compile_enabled", "run", "set_cpu_compile"]
+__all__ = ["MIN_NUMEL", "cpu_compile_enabled", "failed", "run", "set_cpu_compile"]
 
 #: smaller inputs run the plain reference (compiled code would not pay for its dispatch)
 MIN_NUMEL = 1 << 16
@@ -52,8 +52,19 @@ def cpu_compile_enabled() -> bool:
     return os.environ.get("DYNAMIQ_CPU_COMPILE", "0").lower() in ("1", "true", "yes", "on")
 
 
-def run(codec: Codec, op: str, *args: Any) -> Any:
-    """``codec._{op}(*args)``, compiled (compiled once per codec and operation, lazily)."""
+def failed(codec: Codec, op: str) -> bool:
+    """Whether compiling ``codec._{op}`` failed (it then runs plain, for good)."""
+    with _LOCK:
+        return _CACHE.get((codec, op), True) is None
+
+
+def run(codec: Codec, op: str, *args: Any, dynamic_rows: bool = False) -> Any:
+    """``codec._{op}(*args)``, compiled (compiled once per codec and operation, lazily).
+
+    ``dynamic_rows``: only the first dimension of the tensor arguments of at least two
+    dimensions varies between calls (the DynamiQ codec's block functions take any number of
+    spans as rows): one compilation with that dimension symbolic and the rest static, instead
+    of every dimension dynamic."""
     eager = getattr(codec, f"_{op}")
     key = (codec, op)
     with _LOCK:
@@ -62,9 +73,13 @@ def run(codec: Codec, op: str, *args: Any) -> Any:
         return eager(*args)
     try:
         if fn is eager:
-            fn = torch.compile(eager, dynamic=True)
+            fn = torch.compile(eager, dynamic=None if dynamic_rows else True)
             with _LOCK:
                 _CACHE[key] = fn
+        if dynamic_rows:
+            for a in args:
+                if isinstance(a, torch.Tensor) and a.dim() >= 2 and a.shape[0] >= 2:
+                    torch._dynamo.mark_dynamic(a, 0)
         return fn(*args)
     except Exception:
         # the reference's own errors (e.g. a block beyond max_input_abs) raise again here;

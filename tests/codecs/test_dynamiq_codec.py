@@ -437,11 +437,11 @@ def cpu_compile(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("DYNAMIQ_CPU_COMPILE", raising=False)
     monkeypatch.setattr(dc, "_BLOCK", 2 * 1024)
-    dc._COMPILED.clear()
+    _compiled._CACHE.clear()
     K.set_cpu_compile(True)
     yield
     K.set_cpu_compile(None)
-    dc._COMPILED.clear()
+    _compiled._CACHE.clear()
 
 
 def test_fast_path_runs_the_compiled_blocks(
@@ -487,7 +487,8 @@ def test_fast_path_falls_back_when_the_compiler_fails(
     want = codec._encode(x, HopContext())
     assert torch.equal(codec.encode(x), want)
     assert torch.equal(codec.encode(x), want)
-    assert calls == [1] and dc._COMPILED[(codec, "encode")] is None  # not retried
+    assert calls == [1] and _compiled._CACHE[(codec, "encode_rows")] is None  # not retried
+    assert _compiled.failed(codec, "encode_rows")
 
 
 @pytest.mark.slow
@@ -505,7 +506,7 @@ def test_compiled_blocks_are_bit_exact() -> None:
     x[40_000:41_024] = 0.0
     local = _heavy_tailed(n, 9)
     ctx, out_ctx = HopContext(seed=2, hop=0, num_hops=2), HopContext(seed=2, hop=1, num_hops=2)
-    dc._COMPILED.clear()
+    _compiled._CACHE.clear()
     try:
         p = codec._encode(x, ctx)
         assert torch.equal(codec._encode(x, ctx, compiled=True), p)
@@ -515,10 +516,15 @@ def test_compiled_blocks_are_bit_exact() -> None:
         for c in (codec, stochastic):
             want = c._reduce(p, local, ctx, out_ctx)
             assert torch.equal(c._reduce(p, local, ctx, out_ctx, compiled=True), want)
-        assert len(dc._COMPILED) == 4
-        assert all(fn is not None for fn in dc._COMPILED.values()), "fell back to eager"
+        assert set(_compiled._CACHE) == {
+            (codec, "encode_rows"),
+            (codec, "decode_rows"),
+            (codec, "reduce_rows"),
+            (stochastic, "reduce_rows"),
+        }
+        assert all(fn is not None for fn in _compiled._CACHE.values()), "fell back to eager"
     finally:
-        dc._COMPILED.clear()
+        _compiled._CACHE.clear()
 
 
 def test_bf16_round_up_matches_torch_conversion() -> None:
