@@ -10,7 +10,7 @@ Implements DESIGN.md, "Kernels". :func:`encode`, :func:`decode` and :func:`reduc
   if it is not imported yet, this sets ``TRITON_INTERPRET=1`` for the process (``"auto"``
   ignores that setting); if it was imported without it, CPU tensors raise. Raises if Triton
   is not installed or the codec has no kernel for the operation;
-* ``"cpu"``: the native CPU kernels of the INT, MX and DynamiQ codecs
+* ``"cpu"``: the native CPU kernels of the pass-through, INT, MX and DynamiQ codecs
   (:mod:`dynamiq.kernels.cpu_native`: C++ built once per machine and cached, bit-exact with
   the reference). Raises if they cannot be built or the codec has none;
 * ``"auto"`` (what :class:`~dynamiq.codecs.Codec`'s own methods use): Triton for CUDA tensors,

@@ -1,9 +1,11 @@
-"""The CPU fast path: native kernels of the INT, MX and DynamiQ codecs (DESIGN.md, "Kernels").
+"""The CPU fast path: native kernels of the built-in codecs but THC and OmniReduce (DESIGN.md,
+"Kernels").
 
 The codecs' PyTorch references make dozens of full-tensor passes; on the CPU this module runs
 the same computation as one C++ loop per tile of blocks (``csrc/cpu_kernels.cpp``; DynamiQ:
-per span, ``csrc/dynamiq_kernels.cpp``): the fused ``reduce`` decodes the incoming payload,
-adds the local slice in fp32, recomputes the block statistics, rounds and packs without an
+per span, ``csrc/dynamiq_kernels.cpp``; the pass-through codecs:
+``csrc/passthrough_kernels.cpp``): the fused ``reduce`` decodes the incoming payload, adds the
+local slice in fp32, recomputes the block statistics, rounds and packs without an
 fp32 tensor in memory (DynamiQ: a span-sized scratch per thread, since a span's widths depend
 on all of its scales), on ``torch.get_num_threads()`` threads. It is **bit-exact** with the
 references (same payload bytes, same decoded values): the same fp32 operations in the same
@@ -11,13 +13,15 @@ order, no FMA contraction, IEEE division, the references' own fp32 tables (Dynam
 rounding and group-scale tables are passed in from :mod:`dynamiq.codecs.dynamiq_codec`), and
 integer arithmetic for scales, element formats, rounding decisions, DynamiQ's bit widths
 (water-filling), packing and the counter hash of stochastic and correlated rounding
-(``tests/kernels/test_cpu_fast_path_native.py``, ``tests/kernels/test_cpu_native_dynamiq.py``).
+(``tests/kernels/test_cpu_fast_path_native.py``, ``test_cpu_native_dynamiq.py``,
+``test_cpu_native_passthrough.py``).
 
 It covers :class:`~dynamiq.codecs.intq.IntCodec` (every ``bits``, ``block_size``,
 ``rounding`` and ``scale_format``), the six MX codecs and
 :class:`~dynamiq.codecs.dynamiq_codec.DynamiqCodec` (every ``bits``, ``span``,
 ``super_group``, ``group``, ``levels``, ``rounding``, ``hop_slope``, ``pooled`` and
-``scale_steps``), fp32/bf16/fp16 inputs. The results do not depend on the thread count.
+``scale_steps``) and the pass-through codecs ``fp32``, ``bf16`` and ``fp16``, with
+fp32/bf16/fp16 inputs. The results do not depend on the thread count.
 
 **Build.** The library is compiled the first time it is needed with the system C++ compiler
 (``$CXX``, else ``g++``, ``c++`` or ``clang++``; ``-O3 -march=native -ffp-contract=off``, a
@@ -85,7 +89,11 @@ _PER_THREAD = 1 << 16
 
 _CSRC = Path(__file__).with_name("csrc")
 #: the translation units of the library (one shared object)
-SOURCES = (_CSRC / "cpu_kernels.cpp", _CSRC / "dynamiq_kernels.cpp")
+SOURCES = (
+    _CSRC / "cpu_kernels.cpp",
+    _CSRC / "dynamiq_kernels.cpp",
+    _CSRC / "passthrough_kernels.cpp",
+)
 #: what they include
 HEADERS = (_CSRC / "common.h",)
 #: no -ffast-math (IEEE division, subnormals kept), no FMA contraction: bit-exactness
@@ -99,7 +107,7 @@ FLAGS = (
     "-std=c++17",
 )
 _LINK = ("-pthread",)
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 
 
 class CPUKernelsUnavailableWarning(RuntimeWarning):
@@ -148,6 +156,14 @@ class _MXArgs(ctypes.Structure):
         ("nan_code", ctypes.c_int32),
         ("inf_code", ctypes.c_int32),
         ("emax", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32),
+    ]
+
+
+class _PTArgs(ctypes.Structure):
+    _fields_ = [  # the C struct dq_pt_args (csrc/passthrough_kernels.cpp)
+        *_COMMON_FIELDS,
+        ("out_kind", ctypes.c_int32),
         ("nthreads", ctypes.c_int32),
     ]
 
@@ -302,9 +318,9 @@ def _load() -> ctypes.CDLL:
             except Exception as exc:  # no compiler, build error, unloadable library
                 _FAILURE = str(exc) or type(exc).__name__
                 warnings.warn(
-                    f"dynamiq: the native CPU kernels are unavailable ({_FAILURE}); the INT, "
-                    "MX and DynamiQ codecs run on their PyTorch reference on the CPU (slower, "
-                    "same results). Set DYNAMIQ_CPU_KERNELS=0 to skip them.",
+                    f"dynamiq: the native CPU kernels are unavailable ({_FAILURE}); the "
+                    "pass-through, INT, MX and DynamiQ codecs run on their PyTorch reference on "
+                    "the CPU (slower, same results). Set DYNAMIQ_CPU_KERNELS=0 to skip them.",
                     CPUKernelsUnavailableWarning,
                     stacklevel=2,
                 )
@@ -332,6 +348,8 @@ def _open() -> ctypes.CDLL:
     lib.dq_mx_run.restype = ctypes.c_int
     lib.dq_dyn_run.argtypes = [ctypes.POINTER(_DynArgs)]
     lib.dq_dyn_run.restype = ctypes.c_int
+    lib.dq_pt_run.argtypes = [ctypes.POINTER(_PTArgs)]
+    lib.dq_pt_run.restype = ctypes.c_int
     return lib
 
 
@@ -349,9 +367,9 @@ def available() -> bool:
 
 
 def _family(codec: Codec) -> str | None:
-    """``"int"``, ``"mx"`` or ``"dynamiq"`` for the built-in classes (exactly: a subclass may
-    change what its reference computes), else ``None``."""
-    from dynamiq.codecs import dynamiq_codec, intq, mx
+    """``"int"``, ``"mx"``, ``"dynamiq"`` or ``"passthrough"`` for the built-in classes
+    (exactly: a subclass may change what its reference computes), else ``None``."""
+    from dynamiq.codecs import dynamiq_codec, intq, mx, passthrough
 
     cls = type(codec)
     if cls is intq.IntCodec:
@@ -360,6 +378,8 @@ def _family(codec: Codec) -> str | None:
         return "mx"
     if cls is dynamiq_codec.DynamiqCodec:
         return "dynamiq"
+    if cls in (passthrough.FP32Codec, passthrough.BF16Codec, passthrough.FP16Codec):
+        return "passthrough"
     return None
 
 
@@ -371,8 +391,8 @@ def kernel(codec: Codec, op: str, *, required: bool = False) -> Callable[..., An
         if required:
             raise NotImplementedError(
                 f"codec {codec.codec_id!r} ({type(codec).__qualname__}) has no native CPU "
-                f"kernel for {op} (only the built-in INT, MX and DynamiQ codecs have); use "
-                "backend='reference'"
+                f"kernel for {op} (only the built-in pass-through, INT, MX and DynamiQ codecs "
+                "have); use backend='reference'"
             )
         return None
     if required:
@@ -420,6 +440,16 @@ def _run(codec: Codec, op: str, n: int, **ptrs: Any) -> None:
     family = _family(codec)
     if family == "dynamiq":
         _run_dynamiq(lib, codec, op, n, **ptrs)
+    elif family == "passthrough":
+        ptrs.pop("ctx")
+        pargs = _PTArgs(
+            op=_OP[op],
+            n=n,
+            out_kind=_KIND[codec.dtype],  # type: ignore[attr-defined]
+            nthreads=_threads(n),
+            **ptrs,
+        )
+        _check_status(lib.dq_pt_run(ctypes.byref(pargs)))
     elif family == "int":
         from dynamiq.codecs.intq import IntCodec
 

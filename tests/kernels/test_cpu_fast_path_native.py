@@ -26,6 +26,7 @@ import dynamiq.kernels as K
 from dynamiq.codecs import Codec, HopContext, get_codec
 from dynamiq.codecs.intq import IntCodec
 from dynamiq.codecs.packing import pack_bits
+from dynamiq.codecs.passthrough import BF16Codec
 from dynamiq.kernels import cpu_native
 from dynamiq.testing.strategies import finite_tensors, hop_contexts
 
@@ -413,7 +414,10 @@ def test_forced_cpu_backend_errors() -> None:
     class MyInt(IntCodec):  # a subclass may change what its reference computes
         codec_id: ClassVar[str] = "test_my_int"
 
-    for codec in (get_codec("fp16"), get_codec("bf16"), MyInt()):
+    class MyBF16(BF16Codec):
+        codec_id: ClassVar[str] = "test_my_bf16"
+
+    for codec in (get_codec("omnireduce"), MyBF16(), MyInt()):
         with pytest.raises(NotImplementedError, match="no native CPU kernel for encode"):
             K.encode(codec, x, backend="cpu")
         codec.encode(x)  # auto: the reference
