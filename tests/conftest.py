@@ -1,5 +1,30 @@
-"""Shared pytest set-up: the Hypothesis profile from HYPOTHESIS_PROFILE (default ``dev``)."""
+"""Shared pytest set-up: the Hypothesis profile from HYPOTHESIS_PROFILE (default ``dev``), and a
+temporary directory for the subprocesses the tests start."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
 
 from dynamiq.testing.strategies import load_profile
 
 load_profile()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _children_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``TMPDIR`` of every subprocess a test starts: a directory under pytest's own temporary
+    directory (which pytest prunes), so that what torchrun leaves behind
+    (``torchelastic_*`` directories, six a run) does not pile up in /tmp. This process keeps
+    its own temporary directory (Inductor's and Triton's caches stay warm)."""
+    tempfile.tempdir = tempfile.gettempdir()
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("children"))
+    yield
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
