@@ -12,6 +12,18 @@
 #include <thread>
 #include <vector>
 
+// The fields every kernel's argument structure starts with, in this order (mirrored by
+// _COMMON_FIELDS in cpu_native.py): the operation, the values' type, the buffers and the
+// number of values.
+#define DQ_COMMON_ARGS                                                        \
+  int32_t op;         /* 0 encode, 1 reduce (fused), 2 decode */              \
+  int32_t in_kind;    /* values / local slice: 0 fp32, 1 bf16, 2 fp16 */      \
+  const void* x;      /* values (encode) or the local slice (reduce) */       \
+  const uint8_t* in;  /* incoming payload (reduce, decode) */                 \
+  uint8_t* out;       /* outgoing payload (encode, reduce) */                 \
+  float* out_values;  /* decoded values (decode) */                           \
+  int64_t n;          /* number of values */
+
 namespace {
 
 // -- fp32 bit patterns ----------------------------------------------------------------------

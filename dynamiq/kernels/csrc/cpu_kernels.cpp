@@ -400,13 +400,7 @@ extern "C" {
 
 // Arguments of dq_int_run (mirrored by a ctypes.Structure in cpu_native.py).
 struct dq_int_args {
-  int32_t op;             // 0 encode, 1 reduce (fused), 2 decode
-  int32_t in_kind;        // values / local slice: 0 fp32, 1 bf16, 2 fp16
-  const void* x;          // values (encode) or the local slice (reduce)
-  const uint8_t* in;      // incoming payload (reduce, decode)
-  uint8_t* out;           // outgoing payload (encode, reduce)
-  float* out_values;      // decoded values (decode)
-  int64_t n;              // number of values
+  DQ_COMMON_ARGS
   int64_t block_size;
   int32_t bits;           // 2..8
   int32_t fmt;            // scale format: 0 bf16, 1 fp16, 2 fp32, 3 e8m0
@@ -685,13 +679,7 @@ extern "C" {
 
 // Arguments of dq_mx_run (mirrored by a ctypes.Structure in cpu_native.py).
 struct dq_mx_args {
-  int32_t op;           // 0 encode, 1 reduce (fused), 2 decode
-  int32_t in_kind;      // values / local slice: 0 fp32, 1 bf16, 2 fp16
-  const void* x;
-  const uint8_t* in;
-  uint8_t* out;
-  float* out_values;
-  int64_t n;
+  DQ_COMMON_ARGS
   int32_t specials;     // 0 ieee, 1 fn, 2 none, 3 int
   int32_t nmant, bias, bits, max_code, nan_code, inf_code, emax;
   int32_t nthreads;

@@ -902,13 +902,8 @@ extern "C" {
 
 // Arguments of dq_dyn_run (mirrored by a ctypes.Structure in cpu_native.py).
 struct dq_dyn_args {
-  int32_t op;       // 0 encode, 1 reduce (fused), 2 decode
-  int32_t in_kind;  // values / local slice: 0 fp32, 1 bf16, 2 fp16
-  const void* x;    // values (encode) or the local slice (reduce)
-  const uint8_t* in;
-  uint8_t* out;
-  float* out_values;
-  int64_t n, span, super_group, group;
+  DQ_COMMON_ARGS
+  int64_t span, super_group, group;
   int32_t scale_steps, pooled, rounding, nthreads;
   int64_t budget_in_full, budget_in_last;    // incoming payload (decode, reduce): ctx
   int64_t budget_out_full, budget_out_last;  // outgoing payload (encode, reduce): out_ctx

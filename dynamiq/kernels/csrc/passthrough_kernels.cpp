@@ -14,6 +14,8 @@
 // All conversions are integer operations on the bit patterns except the fp16 subnormal case,
 // an exact scaling by 2^24 and rintf (round to nearest even under the default rounding mode).
 
+#include <type_traits>
+
 #include "common.h"
 
 namespace {
@@ -111,13 +113,7 @@ extern "C" {
 
 // Arguments of dq_pt_run (mirrored by a ctypes.Structure in cpu_native.py).
 struct dq_pt_args {
-  int32_t op;       // 0 encode, 1 reduce (fused), 2 decode
-  int32_t in_kind;  // values / local slice: 0 fp32, 1 bf16, 2 fp16
-  const void* x;
-  const uint8_t* in;
-  uint8_t* out;
-  float* out_values;
-  int64_t n;
+  DQ_COMMON_ARGS
   int32_t out_kind;  // the payload's type: 0 fp32, 1 bf16, 2 fp16
   int32_t nthreads;
 };
@@ -125,10 +121,14 @@ struct dq_pt_args {
 int dq_pt_run(dq_pt_args* a) {
   if (a->n <= 0) return 0;
   const int nt = (int)std::max<int64_t>(1, a->nthreads);
+  auto run = [&](auto out_kind) {
+    return run_out<decltype(out_kind)::value>(a->op, a->in_kind, a->x, a->in, a->out,
+                                              a->out_values, a->n, nt);
+  };
   bool ok;
-  if (a->out_kind == 0) ok = run_out<0>(a->op, a->in_kind, a->x, a->in, a->out, a->out_values, a->n, nt);
-  else if (a->out_kind == 1) ok = run_out<1>(a->op, a->in_kind, a->x, a->in, a->out, a->out_values, a->n, nt);
-  else ok = run_out<2>(a->op, a->in_kind, a->x, a->in, a->out, a->out_values, a->n, nt);
+  if (a->out_kind == 0) ok = run(std::integral_constant<int, 0>{});
+  else if (a->out_kind == 1) ok = run(std::integral_constant<int, 1>{});
+  else ok = run(std::integral_constant<int, 2>{});
   return ok ? 0 : 1;
 }
 
