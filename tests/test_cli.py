@@ -58,6 +58,21 @@ def test_bench_kernels_small(capsys: pytest.CaptureFixture[str]) -> None:
     rows = json.loads(capsys.readouterr().out)
     assert [r["codec"] for r in rows] == ["int8", "bf16"]
     assert all(r["bit-exact"] for r in rows)
+    for r in rows:
+        assert r["fused s"] > 0 and r["unfused s"] > 0 and r["copy bandwidth GB/s"] > 0
+        assert r["speed-up over fastest unfused"] <= r["speed-up over unfused"]
+        assert r["roofline s"] == pytest.approx(r["bytes moved"] / (r["copy bandwidth GB/s"] * 1e9))
+        assert r["fused page faults/call"] >= 0 and r["unfused page faults/call"] >= 0
+
+
+def test_bench_kernels_unknown_codec_fails_before_timing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "kernels", "--numel", "5000", "--codecs", "int8,int9", "--json"]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # no row was timed
+    assert "unknown codec 'int9'" in out.err and "int8" in out.err  # lists the known ids
 
 
 def test_help_explains_options(capsys: pytest.CaptureFixture[str]) -> None:

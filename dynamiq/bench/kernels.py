@@ -24,6 +24,7 @@ per round. (a) is checked bit for bit against (c).
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -187,7 +188,7 @@ def bench_kernels(
             )
         # the copy bandwidth: the best copy of the whole run (one slow measurement at the
         # start, under a burst of other load, once made every fraction of roofline 5x too high)
-        bw = 2 * 4 * numel / min(copy_times)
+        bw = 2 * 4 * numel / min(copy_times, default=math.inf)
         for row in rows:
             row["copy bandwidth GB/s"] = bw / 1e9
             row["roofline s"] = row["bytes moved"] / bw
