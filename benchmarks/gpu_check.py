@@ -13,6 +13,11 @@ kernels it
    it must move (incoming payload + local slice + outgoing payload) at the copy bandwidth
    measured with ``torch.clone`` of a large tensor.
 
+The exactness checks run one codec per worker process, ``--jobs`` at a time (default: the CPU
+count, at most 16): compiling the ~300 kernel variants (about 10 minutes on one core, 70 % of
+it THC's 16384-value blocks) is most of the check's time, and the processes share Triton's
+on-disk cache, so the timing step finds its kernels compiled.
+
 Prints a table and writes everything to ``--out`` (JSON). ``--dry-run`` runs the same code on
 the CPU with tiny sizes through Triton's interpreter (its timings mean nothing), so the script
 can be checked without a GPU. ``--compile-only ARCH`` compiles every kernel the checks launch
@@ -100,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20, help="timed repetitions (median)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny sizes")
     parser.add_argument("--compile-only", type=int, metavar="ARCH", help="e.g. 90: no GPU")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="codecs checked at a time in worker processes (default: the CPU count, at most "
+        "16; 1 with --dry-run). Compiling the ~300 kernel variants is most of the check's "
+        "time, one CPU core per process",
+    )
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
@@ -116,7 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     numel = 4096 if args.dry_run else int(args.numel)
     results: dict[str, Any] = {"environment": environment(device)}
     print(json.dumps(results["environment"], indent=1))
-    results["exactness"] = check_exactness(device, small=args.dry_run)
+    jobs = args.jobs if args.jobs is not None else (1 if args.dry_run else _cpu_count(16))
+    t0 = time.perf_counter()
+    results["exactness"] = check_exactness(device, small=args.dry_run, jobs=max(1, jobs))
+    results["exactness_seconds"] = time.perf_counter() - t0
     results["timing"] = time_kernels(
         device, numel, getattr(torch, args.local_dtype), 2 if args.dry_run else args.iters
     )
@@ -128,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(failures)} bit-exactness failures, e.g. {failures[0]}")
         return 1
     return 0
+
+
+def _cpu_count(cap: int) -> int:
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, min(n, cap))
 
 
 def environment(device: Any) -> dict[str, Any]:
@@ -217,7 +241,8 @@ def _run(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         return ("ValueError", str(exc))
 
 
-def check_exactness(device: Any, small: bool) -> list[dict[str, Any]]:
+def _check_codec(name: str, codec: Any, device: Any, small: bool) -> dict[str, Any]:
+    """Every kernel of one codec against the reference: the report row."""
     import torch
 
     import dynamiq.kernels as K
@@ -226,71 +251,115 @@ def check_exactness(device: Any, small: bool) -> list[dict[str, Any]]:
     ctx = HopContext(seed=7, step=3, hop=1, num_hops=4, rank=2, offset=2**32 - 40)
     out_ctx = HopContext(seed=7, step=3, hop=2, num_hops=4, rank=5, offset=2**32 - 40)
     sizes = (0, 1, 31, 33, 1000) if small else (0, 1, 31, 33, 1000, 100_003, 1 << 20)
-    report = []
-    print("\nbit-exactness (Triton vs reference)")
-    for name, codec in _codecs().items():
-        ok, cases, first_bad = True, 0, None
-        t0 = time.perf_counter()
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            for n in sizes:
-                for i, x in enumerate(_inputs(codec, n, n + 1)):
-                    x = x.to(dtype)
-                    local = _inputs(codec, n, n + 2)[1 - i].to(dtype)
-                    # the reference on the same device, and on the CPU for small sizes
-                    cpu = torch.device("cpu")
-                    refs = [device] + ([cpu] if n <= 1000 and device != cpu else [])
-                    got_p = _run(K.encode, codec, x.to(device), ctx, backend="triton")
-                    for rdev in refs:
-                        want_p = _run(K.encode, codec, x.to(rdev), ctx, backend="reference")
-                        checks = [("encode", got_p, want_p)]
-                        if isinstance(want_p, tuple):
-                            raised = isinstance(got_p, tuple) and got_p == want_p
-                            checks = [("encode raises", raised, True)]
+    ok, cases, first_bad = True, 0, None
+    t0 = time.perf_counter()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for n in sizes:
+            for i, x in enumerate(_inputs(codec, n, n + 1)):
+                x = x.to(dtype)
+                local = _inputs(codec, n, n + 2)[1 - i].to(dtype)
+                # the reference on the same device, and on the CPU for small sizes
+                cpu = torch.device("cpu")
+                refs = [device] + ([cpu] if n <= 1000 and device != cpu else [])
+                got_p = _run(K.encode, codec, x.to(device), ctx, backend="triton")
+                for rdev in refs:
+                    want_p = _run(K.encode, codec, x.to(rdev), ctx, backend="reference")
+                    checks = [("encode", got_p, want_p)]
+                    if isinstance(want_p, tuple):
+                        raised = isinstance(got_p, tuple) and got_p == want_p
+                        checks = [("encode raises", raised, True)]
+                    else:
+                        got_v = K.decode(codec, want_p.to(device), n, ctx, backend="triton")
+                        want_v = K.decode(codec, want_p, n, ctx, backend="reference")
+                        got_r = _run(
+                            K.reduce,
+                            codec,
+                            want_p.to(device),
+                            local.to(device),
+                            ctx,
+                            out_ctx,
+                            backend="triton",
+                        )
+                        want_r = _run(
+                            K.reduce,
+                            codec,
+                            want_p,
+                            local.to(rdev),
+                            ctx,
+                            out_ctx,
+                            backend="reference",
+                        )
+                        checks += [("decode", got_v, want_v)]
+                        if isinstance(want_r, tuple) or isinstance(got_r, tuple):
+                            raised = isinstance(got_r, tuple) and got_r == want_r
+                            checks += [("reduce raises", raised, True)]
                         else:
-                            got_v = K.decode(codec, want_p.to(device), n, ctx, backend="triton")
-                            want_v = K.decode(codec, want_p, n, ctx, backend="reference")
-                            got_r = _run(
-                                K.reduce,
-                                codec,
-                                want_p.to(device),
-                                local.to(device),
-                                ctx,
-                                out_ctx,
-                                backend="triton",
-                            )
-                            want_r = _run(
-                                K.reduce,
-                                codec,
-                                want_p,
-                                local.to(rdev),
-                                ctx,
-                                out_ctx,
-                                backend="reference",
-                            )
-                            checks += [("decode", got_v, want_v)]
-                            if isinstance(want_r, tuple) or isinstance(got_r, tuple):
-                                raised = isinstance(got_r, tuple) and got_r == want_r
-                                checks += [("reduce raises", raised, True)]
-                            else:
-                                checks += [("reduce", got_r, want_r)]
-                        for op, got, want in checks:
-                            cases += 1
-                            same = (
-                                got is want
-                                if isinstance(want, bool)
-                                else _same(codec, got, want, n)
-                            )
-                            if not same and first_bad is None:
-                                first_bad = f"{op} {dtype} n={n} input {i} ref on {rdev}"
-                            ok &= same
-        assert K.last_backend() == "reference"
-        secs = time.perf_counter() - t0
-        print(
-            f"  {name:22s} {'ok' if ok else 'MISMATCH':9s} {cases:5d} cases {secs:6.1f}s"
-            + (f"  first: {first_bad}" if first_bad else "")
-        )
-        report.append({"codec": name, "ok": ok, "cases": cases, "first_mismatch": first_bad})
-    return report
+                            checks += [("reduce", got_r, want_r)]
+                    for op, got, want in checks:
+                        cases += 1
+                        same = got is want if isinstance(want, bool) else _same(codec, got, want, n)
+                        if not same and first_bad is None:
+                            first_bad = f"{op} {dtype} n={n} input {i} ref on {rdev}"
+                        ok &= same
+    assert K.last_backend() == "reference"
+    return {
+        "codec": name,
+        "ok": ok,
+        "cases": cases,
+        "first_mismatch": first_bad,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _check_in_worker(name: str, device_type: str, small: bool) -> dict[str, Any]:
+    """``_check_codec`` in a worker process (it compiles its own kernels: compiling is what
+    takes the time, one CPU core per process; the Triton cache on disk is shared)."""
+    import torch
+
+    try:
+        return _check_codec(name, _codecs()[name], torch.device(device_type), small)
+    except Exception as exc:  # a crash is a failed check, reported with the rest
+        return {
+            "codec": name,
+            "ok": False,
+            "cases": 0,
+            "first_mismatch": f"{type(exc).__name__}: {exc}",
+            "seconds": 0.0,
+        }
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    first = f"  first: {row['first_mismatch']}" if row["first_mismatch"] else ""
+    verdict = "ok" if row["ok"] else "MISMATCH"
+    print(
+        f"  {row['codec']:26s} {verdict:9s} {row['cases']:5d} cases {row['seconds']:6.1f}s{first}",
+        flush=True,
+    )
+
+
+def check_exactness(device: Any, small: bool, jobs: int = 1) -> list[dict[str, Any]]:
+    """Every codec with kernels (and the EXTRA configurations), ``jobs`` codecs at a time in
+    worker processes (``jobs=1``: in this process)."""
+    names = list(_codecs())
+    print(f"\nbit-exactness (Triton vs reference), {len(names)} codecs, {jobs} at a time")
+    if jobs <= 1:
+        rows = []
+        for name in names:
+            rows.append(_check_codec(name, _codecs()[name], device, small))
+            _print_row(rows[-1])
+        return rows
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    done: dict[str, dict[str, Any]] = {}
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = {pool.submit(_check_in_worker, n, device.type, small): n for n in names}
+        for fut in as_completed(futures):
+            row = fut.result()
+            done[row["codec"]] = row
+            _print_row(row)
+    return [done[n] for n in names]
 
 
 # -- 2. timing --------------------------------------------------------------------------------
