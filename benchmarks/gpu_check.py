@@ -496,7 +496,7 @@ def compile_only(arch: int) -> int:
     from dynamiq.kernels import omnireduce as komni
     from dynamiq.kernels import thc as kthc
 
-    launches: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
+    launches: dict[str, tuple[Any, dict[str, str], dict[str, Any], int]] = {}
     _PTR = {torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8"}
     _PTR.update({torch.float32: "fp32", torch.int64: "i64", torch.float64: "fp64"})
     _WIDE_ARGS = ("offset", "key0", "key1", "offset_in", "rkey0", "rkey1")  # 64-bit ints
@@ -519,8 +519,9 @@ def compile_only(arch: int) -> int:
                         sig[k] = "*" + _PTR[v.dtype]
                     else:
                         sig[k] = "i64" if k in _WIDE_ARGS else "i32"
+                warps = int(kw.get("num_warps", 4))  # the launcher's choice (default 4)
                 key = f"{self.kernel.fn.__name__}{sorted(sig.items())}{sorted(const.items())}"
-                launches[key] = (self.kernel, sig, const)
+                launches[key + str(warps)] = (self.kernel, sig, const, warps)
 
             return launch
 
@@ -556,7 +557,7 @@ def compile_only(arch: int) -> int:
     target = GPUTarget("cuda", arch, 32)
     print(f"compiling {len(launches)} kernel variants for sm_{arch} (Triton {triton.__version__})")
     failures = 0
-    for kernel, sig, const in launches.values():
+    for kernel, sig, const, warps in launches.values():
         t0 = time.perf_counter()
         src = ASTSource(
             fn=kernel,
@@ -564,13 +565,15 @@ def compile_only(arch: int) -> int:
             constexprs={(kernel.arg_names.index(k),): v for k, v in const.items()},
         )
         try:
-            compiled = triton.compile(src, target=target, options={"enable_fp_fusion": False})
+            options = {"enable_fp_fusion": False, "num_warps": warps}
+            compiled = triton.compile(src, target=target, options=options)
             assert "cubin" in compiled.asm
             status = "ok"
         except Exception as exc:  # report every failure, not just the first
             failures += 1
             status = f"FAILED: {type(exc).__name__}: {str(exc)[:300]}"
-        print(f"  {kernel.fn.__name__:26s} {time.perf_counter() - t0:5.1f}s {status}  {const}")
+        secs = time.perf_counter() - t0
+        print(f"  {kernel.fn.__name__:26s} {secs:5.1f}s {status}  warps={warps} {const}")
     print(f"{len(launches) - failures}/{len(launches)} compiled")
     return 1 if failures else 0
 

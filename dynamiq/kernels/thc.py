@@ -425,10 +425,20 @@ def _tables(codec: ThcCodec, device: torch.device) -> tuple[torch.Tensor, torch.
     return table, lut.to(torch.int32)
 
 
+def _num_warps(tile: int) -> int:
+    """Warps per program for a tile of ``tile`` values: 4 up to 4096 values, then one more
+    warp per 1024 up to 16. With 4 warps a 16384-value block (the default) needs more than the
+    255 registers a thread may have (``ptxas -v``, sm_90: 2-13 KB of spill stores a thread);
+    16 warps take 128 registers and spill 0.2-1.7 KB. The results do not depend on it (the
+    kernels' reductions are integer maxima and sums of disjoint bit fields)."""
+    return max(4, min(16, tile // 1024))
+
+
 def _geometry(codec: ThcCodec, lay: _Layout, device: torch.device) -> dict[str, Any]:
     rows = _rows(codec, lay.nblocks, device)
     return {
         "grid": (triton.cdiv(lay.nblocks, rows),),
+        "num_warps": _num_warps(rows * codec.block_size),
         "sizes": (
             lay.numel,
             lay.ncodes,
@@ -543,7 +553,7 @@ def _launch_encode(
         SRC=src, STATS=stats, HOMO=homo, IN_KIND=kind, **geo["meta"],
         BITS_IN=codec.width(k_in), WIDE_IN=_wide(codec, k_in), BITS=codec.width(k),
         WIDE=_wide(codec, k), WIDEN=codec.variant == "widen", G=codec.g, NTAB=len(codec.table),
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, num_warps=geo["num_warps"],
     )  # fmt: skip
     record_launch("_thc_encode_kernel")
 
@@ -637,7 +647,7 @@ def decode(codec: ThcCodec, payload: torch.Tensor, numel: int, ctx: HopContext) 
     _thc_decode_kernel[geo["grid"]](
         stream, out, scale, flags, sc, table, err, *geo["sizes"], stream.numel(),
         ctx.offset, rkey0, rkey1, **geo["meta"], BITS=codec.width(k), WIDE=_wide(codec, k),
-        NTAB=len(codec.table), enable_fp_fusion=False,
+        NTAB=len(codec.table), enable_fp_fusion=False, num_warps=geo["num_warps"],
     )  # fmt: skip
     record_launch("_thc_decode_kernel")
     _corrupt(codec, err)
