@@ -469,6 +469,23 @@ def time_kernels(device: Any, numel: int, local_dtype: Any, iters: int) -> dict[
             "speedup_vs_unfused": t_unfused / t_fused,
             "speedup_vs_reference": t_ref / t_fused,
         }
+        if name == "thc":
+            # the warps per program of its 16384-value tiles (16 by default): the choice
+            # was made from ptxas's register counts, not timed; time the alternatives here
+            from dynamiq.kernels import thc as kthc
+
+            row["fused_seconds_by_num_warps"] = {}
+            try:
+                for warps in (4, 8, 16, 32):
+                    kthc.WARPS_OVERRIDE = warps
+                    row["fused_seconds_by_num_warps"][warps] = measure(fused)
+            finally:
+                kthc.WARPS_OVERRIDE = None
+            by = row["fused_seconds_by_num_warps"]
+            print(
+                "  thc fused ms by num_warps: "
+                + ", ".join(f"{w}: {t * 1e3:.3f}" for w, t in by.items())
+            )
         out["codecs"][name] = row
         print(
             f"  {name:12s} {t_fused * 1e3:9.3f} {t_unfused * 1e3:10.3f} {t_ref * 1e3:9.3f} "

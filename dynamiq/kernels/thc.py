@@ -425,12 +425,19 @@ def _tables(codec: ThcCodec, device: torch.device) -> tuple[torch.Tensor, torch.
     return table, lut.to(torch.int32)
 
 
+#: a fixed warp count for every launch instead of ``_num_warps``'s (``benchmarks/gpu_check.py``
+#: times a few on a GPU); None: the rule below
+WARPS_OVERRIDE: int | None = None
+
+
 def _num_warps(tile: int) -> int:
     """Warps per program for a tile of ``tile`` values: 4 up to 4096 values, then one more
     warp per 1024 up to 16. With 4 warps a 16384-value block (the default) needs more than the
     255 registers a thread may have (``ptxas -v``, sm_90: 2-13 KB of spill stores a thread);
     16 warps take 128 registers and spill 0.2-1.7 KB. The results do not depend on it (the
     kernels' reductions are integer maxima and sums of disjoint bit fields)."""
+    if WARPS_OVERRIDE is not None:
+        return WARPS_OVERRIDE
     return max(4, min(16, tile // 1024))
 
 
