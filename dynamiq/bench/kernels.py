@@ -40,7 +40,7 @@ except ImportError:  # Windows
 
 from dynamiq.codecs import HopContext, get_codec
 
-__all__ = ["bench_kernels", "copy_bandwidth"]
+__all__ = ["bench_kernels"]
 
 # the payload is a first encoding (hop 0); the result the second (hop 1, two contributions)
 CTX = HopContext(hop=0, num_hops=2)
@@ -73,17 +73,6 @@ def _steady(fn: Callable[[], Any], device: torch.device, burst: int) -> tuple[fl
     f0 = _minor_faults()
     t = statistics.median(_time(fn, device) for _ in range(burst))
     return t, (_minor_faults() - f0) / burst
-
-
-def copy_bandwidth(device: torch.device, numel: int, iters: int = 5) -> float:
-    """Bytes per second of copying ``numel`` fp32 values (read + write) into an allocated
-    buffer: the best of ``iters`` (a fresh ``clone`` would also time the page faults of its
-    new buffer on the CPU, understating the bandwidth)."""
-    x = torch.ones(numel, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    best = min(_time(lambda: y.copy_(x), device) for _ in range(iters))
-    return 2 * 4 * numel / best
 
 
 def bench_kernels(
