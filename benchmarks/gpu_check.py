@@ -124,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds after which checks and timings not yet started are skipped (and "
         "reported as such) so the run ends with its results written; 0: none",
     )
+    parser.add_argument(
+        "--check",
+        default="",
+        help="comma-separated name prefixes: check the exactness of these codecs only "
+        "(default: every codec with kernels)",
+    )
+    parser.add_argument("--no-sweep", action="store_true", help="skip the geometry sweep")
     args = parser.parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
@@ -153,9 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     # every codec, then the timing of the others, whose kernels the checks have compiled
     timing = results["timing"] = {}
     time_kernels(device, numel, local_dtype, iters, TIMED[:2], out=timing, save=save)
+    if not args.no_sweep:
+        results["sweep"] = sweep_rows(device, numel, local_dtype, iters, deadline)
+        save()
     t0 = time.perf_counter()
     results["exactness"] = check_exactness(
-        device, small=args.dry_run, jobs=max(1, jobs), deadline=deadline
+        device, small=args.dry_run, jobs=max(1, jobs), deadline=deadline, only=args.check
     )
     results["exactness_seconds"] = time.perf_counter() - t0
     save()
@@ -381,12 +391,14 @@ def _skipped(name: str) -> dict[str, Any]:
 
 
 def check_exactness(
-    device: Any, small: bool, jobs: int = 1, deadline: float = math.inf
+    device: Any, small: bool, jobs: int = 1, deadline: float = math.inf, only: str = ""
 ) -> list[dict[str, Any]]:
-    """Every codec with kernels (and the EXTRA configurations), ``jobs`` codecs at a time in
-    worker processes (``jobs=1``: in this process). Codecs not done by ``deadline``
+    """Every codec with kernels (and the EXTRA configurations; ``only``: those whose names
+    start with one of its comma-separated prefixes), ``jobs`` codecs at a time in worker
+    processes (``jobs=1``: in this process). Codecs not done by ``deadline``
     (``time.monotonic()``) are reported as skipped, and their workers stopped."""
-    names = list(_codecs())
+    prefixes = tuple(p for p in only.split(",") if p)
+    names = [n for n in _codecs() if not prefixes or n.startswith(prefixes)]
     print(f"\nbit-exactness (Triton vs reference), {len(names)} codecs, {jobs} at a time")
     if jobs <= 1:
         rows = []
@@ -456,6 +468,107 @@ def _timer(device: Any, iters: int) -> Callable[[Callable[[], Any]], float]:
     return measure
 
 
+def _device_seconds(fn: Callable[[], Any], iters: int) -> dict[str, Any]:
+    """What the GPU itself spends per call of ``fn`` (its kernels and copies, from the
+    profiler), without the host's launch gaps and syncs between calls; and the wall time per
+    call of ``iters`` back-to-back calls (``burst``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"device_seconds": math.nan, "burst_seconds": math.nan, "kernels": []}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    burst = start.elapsed_time(end) / 1e3 / iters
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        us = sum(e.time_range.elapsed_us() for e in events)
+        if not us:  # older layouts: the per-name totals
+            us = sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages())
+        names = sorted({e.name[:60] for e in events})
+        secs = us / 1e6 / iters if us else math.nan  # nothing recorded: unknown, not 0
+        return {"device_seconds": secs, "burst_seconds": burst, "kernels": names}
+    except Exception as exc:  # the profiler is a diagnostic: report, do not fail the run
+        return {"device_seconds": math.nan, "burst_seconds": burst, "kernels": [repr(exc)]}
+
+
+def sweep_rows(
+    device: Any, numel: int, local_dtype: Any, iters: int, deadline: float = math.inf
+) -> list[dict[str, Any]]:
+    """The 8-bit INT and MX fused reduce in each geometry: the general ``[ROWS, G, 8]``
+    kernel, and the rows kernel at several values per program and warps per program (the
+    defaults in ``kernels.intq`` / ``kernels.mx`` are chosen from this table). Every
+    geometry's output must equal the default's bytes."""
+    import torch
+
+    import dynamiq.kernels as K
+    from dynamiq.codecs import HopContext, get_codec
+    from dynamiq.kernels import intq as kintq
+    from dynamiq.kernels import mx as kmx
+
+    measure = _timer(device, iters)
+    g = torch.Generator(device=device).manual_seed(1)
+    rows: list[dict[str, Any]] = []
+    tiles = (1024, 2048, 4096, 8192) if device.type == "cuda" else (256, 4096)
+    configs = [(False, 0, 4)] + [(True, t, w) for t in tiles for w in (4, 8)]
+    print("\nsweep: 8-bit fused reduce per kernel geometry (ms per call; device ms)")
+    for name, module in (("int8", kintq), ("mxfp8_e4m3", kmx)):
+        codec = get_codec(name)
+        local = torch.randn(numel, device=device, generator=g).to(local_dtype)
+        ctx = HopContext()
+        payload = K.encode(codec, torch.randn(numel, device=device, generator=g), ctx)
+        want = K.reduce(codec, payload, local, ctx, ctx, backend="triton")
+        saved = (module.ROWS_PATH, module.NUM_WARPS, module.tile_elems)
+        for rows_path, tile, warps in configs:
+            if time.monotonic() > deadline:
+                break
+            module.ROWS_PATH, module.NUM_WARPS = rows_path, warps
+            if tile:
+                module.tile_elems = lambda d, t=tile: t
+            try:
+
+                def fused(c: Any = codec, p: Any = payload, x: Any = local, a: Any = ctx) -> Any:
+                    return K.reduce(c, p, x, a, a, backend="triton")
+
+                same = bool(torch.equal(fused(), want))
+                t = measure(fused)
+                dev = _device_seconds(fused, iters)
+            finally:
+                module.ROWS_PATH, module.NUM_WARPS, module.tile_elems = saved
+            row = {
+                "codec": name,
+                "rows_kernel": rows_path,
+                "tile": tile or "default",
+                "num_warps": warps if rows_path else "default",
+                "seconds": t,
+                "device_seconds": dev["device_seconds"],
+                "burst_seconds": dev["burst_seconds"],
+                "kernels": dev["kernels"],
+                "same_bytes": same,
+            }
+            rows.append(row)
+            print(
+                f"  {name:11s} {'rows' if rows_path else 'general':8s} tile {tile or '-':>5} "
+                f"warps {warps}: {t * 1e3:7.3f} ms; device {dev['device_seconds'] * 1e3:7.3f} ms;"
+                f" burst {dev['burst_seconds'] * 1e3:7.3f} ms; same bytes {same}",
+                flush=True,
+            )
+        del local, payload, want
+    return rows
+
+
 class _OneRank:
     """The exchange a codec's ``prologue`` gets, for a world of one rank."""
 
@@ -484,17 +597,23 @@ def time_kernels(
     measure = _timer(device, iters)
     big = torch.randn(numel, device=device)
     copy_s = measure(big.clone)
+    copy_dev = _device_seconds(big.clone, iters)
     del big
     out = {} if out is None else out
     copies = out.setdefault("copy_seconds", [])
     copies.append(copy_s)
     copy_bw = 2 * numel * 4 / min(copies)
+    dev_copies = out.setdefault("copy_device_seconds", [])
+    dev_copies.append(copy_dev["device_seconds"])
+    copy_bw_dev = 2 * numel * 4 / min(dev_copies)
+    out["copy_device_bandwidth_gbs"] = copy_bw_dev / 1e9
     out.update(numel=numel, local_dtype=str(local_dtype).split(".")[-1])
     out["copy_bandwidth_gbs"] = copy_bw / 1e9
     out.setdefault("codecs", {})
     print(
         f"\ntiming on {numel} values, local {out['local_dtype']}; "
-        f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (torch clone, read + write)"
+        f"copy bandwidth {copy_bw / 1e9:.0f} GB/s (torch clone, read + write; "
+        f"{copy_bw_dev / 1e9:.0f} GB/s from the device time)"
     )
     head = ("codec", "fused ms", "unfused ms", "torch ms", "GB/s", "roofline", "vs unfused")
     print("  {:12s} {:>9s} {:>10s} {:>9s} {:>7s} {:>9s} {:>10s}".format(*head))
@@ -537,6 +656,7 @@ def time_kernels(
         assert sum(K.launch_counts().values()) > before, "the fused kernel did not run"
         t_unfused = measure(unfused)
         t_ref = measure(reference) if device.type == "cuda" or numel <= 4096 else math.nan
+        dev = _device_seconds(fused, iters)
         moved = 2 * payload.numel() + local.numel() * local.element_size()
         roofline = moved / copy_bw
         row = {
@@ -548,6 +668,12 @@ def time_kernels(
             "roofline_fraction": roofline / t_fused,
             "speedup_vs_unfused": t_unfused / t_fused,
             "speedup_vs_reference": t_ref / t_fused,
+            "fused_device_seconds": dev["device_seconds"],
+            "fused_burst_seconds": dev["burst_seconds"],
+            "fused_kernels": dev["kernels"],
+            # the fused kernel's device time against the copy kernel's: the roofline without
+            # the host's share of a call (its launch, and the error check's sync)
+            "roofline_fraction_device": moved / copy_bw_dev / dev["device_seconds"],
         }
         if name == "thc" and time.monotonic() < deadline:
             # the warps per program of its 16384-value tiles (16 by default): the choice
@@ -555,24 +681,28 @@ def time_kernels(
             from dynamiq.kernels import thc as kthc
 
             row["fused_seconds_by_num_warps"] = {}
+            row["same_bytes_by_num_warps"] = {}
+            want = reference()
             try:
                 for warps in (16, 32, 8, 4):  # 4 and 8 spill: the slowest to compile
                     if time.monotonic() > deadline:
                         break
                     kthc.WARPS_OVERRIDE = warps
                     row["fused_seconds_by_num_warps"][warps] = measure(fused)
+                    row["same_bytes_by_num_warps"][warps] = bool(torch.equal(fused(), want))
             finally:
                 kthc.WARPS_OVERRIDE = None
-            by = row["fused_seconds_by_num_warps"]
+            by, same = row["fused_seconds_by_num_warps"], row["same_bytes_by_num_warps"]
             print(
-                "  thc fused ms by num_warps: "
-                + ", ".join(f"{w}: {t * 1e3:.3f}" for w, t in by.items())
+                "  thc fused ms by num_warps (same bytes as the reference): "
+                + ", ".join(f"{w}: {t * 1e3:.3f} ({same[w]})" for w, t in by.items())
             )
         out["codecs"][name] = row
         print(
             f"  {name:12s} {t_fused * 1e3:9.3f} {t_unfused * 1e3:10.3f} {t_ref * 1e3:9.3f} "
             f"{row['fused_bandwidth_gbs']:7.0f} {row['roofline_fraction']:9.0%} "
-            f"{row['speedup_vs_unfused']:9.2f}x"
+            f"{row['speedup_vs_unfused']:9.2f}x   device {dev['device_seconds'] * 1e3:.3f} ms "
+            f"{row['roofline_fraction_device']:.0%}, burst {dev['burst_seconds'] * 1e3:.3f} ms"
         )
         del local, payload
         save()

@@ -62,6 +62,11 @@ __all__ = ["decode", "encode", "reduce"]
 
 #: largest tile (values) a program keeps in registers; larger ones take the two-kernel path
 MAX_TILE = 4096
+#: 8-bit codes with power-of-two blocks take :func:`_int_rows_kernel` (blocks as rows); False
+#: sends them through the general ``[ROWS, G, 8]`` kernel (``benchmarks/gpu_check.py`` times both)
+ROWS_PATH = True
+#: warps per program of the rows kernel (tuned on an H200 by ``benchmarks/gpu_check.py``)
+NUM_WARPS = 4
 
 # scale formats: code, significant bits P, exponent of the smallest positive value GMIN
 _FMT = {"bf16": (0, 8, -133), "fp16": (1, 11, -24), "fp32": (2, 24, -149), "e8m0": (3, 1, -127)}
@@ -120,6 +125,22 @@ def _int_scale(
         stored = tl.where(finite, f32, NAN_F32)
     else:
         stored = tl.where(finite, tl.where(a == 0, 0, ed + 127), 0xFF)
+    scale = tl.where(finite, bits_to_f32(f32), float("nan"))
+    over = finite & (a > MAX_IN_BITS)
+    return scale, stored, over
+
+
+@triton.jit
+def _bf16_int_scale(a, QMAX: tl.constexpr, MAX_IN_BITS: tl.constexpr):
+    """:func:`_int_scale` for the bf16 scale format, with float operations: ``T`` = ``fl32(
+    absmax / QMAX)`` (``div_rn``) truncated to bf16, then ``S = T`` if ``T * QMAX >= absmax``
+    else the next bf16 value. ``fl32`` is monotone, so the true quotient lies in ``(T⁻, T +
+    ulp]``; ``T * QMAX`` is exact (8 by 7 significant bits); all-zero blocks get 0."""
+    finite = a < 0x7F800000
+    amax = bits_to_f32(tl.where(finite, a, 0))
+    t = f32_to_bits(tl.math.div_rn(amax, tl.zeros_like(amax) + QMAX)) & -65536  # 0xffff0000
+    f32 = tl.where(bits_to_f32(t) * QMAX < amax, t + 0x10000, t)
+    stored = tl.where(finite, f32 >> 16, NAN_BF16)
     scale = tl.where(finite, bits_to_f32(f32), float("nan"))
     over = finite & (a > MAX_IN_BITS)
     return scale, stored, over
@@ -201,12 +222,9 @@ def _int_codes(v, s, elem, offset, key0, key1, STOCHASTIC: tl.constexpr):
         u = uniform_open01(hash_u32(elem + offset, key0, key1))
         code = fl + (u < q - fl.to(tl.float32)).to(tl.int32)
     else:
-        # round half to even on |q|
-        aq = tl.abs(q)
-        t = aq.to(tl.int32)
-        frac = aq - t.to(tl.float32)
-        r = t + ((frac > 0.5) | ((frac == 0.5) & ((t & 1) == 1))).to(tl.int32)
-        code = tl.where(q < 0, -r, r)
+        # round half to even: |q| <= QMAX < 2^22, so q + 1.5 * 2^23 lies in [2^23, 2^24),
+        # whose spacing is 1: the fp32 addition rounds q to an integer, the subtraction is exact
+        code = ((q + 12582912.0) - 12582912.0).to(tl.int32)
     return code
 
 
@@ -293,6 +311,68 @@ def _int_encode_kernel(
 
     # -- store with mask: the packed codes
     store_codes(out_ptr + stream_off, codes, grp, gmask, elem, emask, nbytes, BITS)
+
+
+@triton.jit(do_not_specialize=["offset", "key0", "key1"])
+def _int_rows_kernel(
+    # pointers
+    x_ptr,  # values to encode, or the local slice (reduce): int32 (fp32) / int16 (bf16, fp16)
+    in_ptr,  # incoming payload (reduce; unused when not FUSED)
+    out_ptr,  # output payload: nblocks scales of SB bytes, then the 8-bit codes
+    err_ptr,  # int32[1], as in _int_encode_kernel
+    # sizes
+    n,
+    nblocks,
+    # hop context (stochastic rounding)
+    offset,
+    key0,
+    key1,
+    # meta-parameters
+    FUSED: tl.constexpr,
+    IN_KIND: tl.constexpr,
+    BS: tl.constexpr,  # block size, a power of two
+    FMT: tl.constexpr,
+    SB: tl.constexpr,
+    P: tl.constexpr,
+    GMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    KQ: tl.constexpr,
+    MAX_IN_BITS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    ROWS: tl.constexpr,  # blocks per program
+):
+    # the GPU layout of 8-bit codes (one byte per value): blocks as rows [ROWS, BS], values
+    # contiguous along a row, so loads and stores are wide and a block's absmax is a row max.
+    # bytes moved per element: values in (4 fp32, 2 bf16/fp16) + (1 + SB / BS) out; FUSED
+    # adds (1 + SB / BS) in for the incoming payload
+
+    # -- map program -> blocks [ROWS], elements [ROWS, BS]
+    blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    bmask = blk < nblocks
+    elem = blk[:, None] * BS + tl.arange(0, BS)[None, :]
+    emask = elem < n
+    codes_ptr = out_ptr + nblocks * SB
+
+    # -- load with mask: fp32 values (fused: decoded partial sum + local)
+    v = load_f32(x_ptr, elem, emask, IN_KIND)
+    if FUSED:
+        s_in = _load_scale(in_ptr, blk, bmask, FMT, SB)
+        raw = tl.load(in_ptr + nblocks * SB + elem, mask=emask, other=0)
+        v = raw.to(tl.int8, bitcast=True).to(tl.float32) * s_in[:, None] + v
+
+    # -- compute: per-block absmax (integer max of |v| bits: NaN > Inf > finite), the scale
+    amax = tl.max(tl.where(emask, f32_to_bits(v) & 0x7FFFFFFF, 0), axis=1)
+    if FMT == 0:
+        s, stored, over = _bf16_int_scale(amax, QMAX, MAX_IN_BITS)
+    else:
+        s, stored, over = _int_scale(amax, QMAX, KQ, P, GMIN, FMT, MAX_IN_BITS)
+    worst = tl.max(tl.where(over & bmask, amax, 0), axis=0)
+    tl.atomic_max(err_ptr, worst, mask=worst > 0)
+    codes = _int_codes(v, s[:, None], elem, offset, key0, key1, STOCHASTIC)
+
+    # -- store with mask: the scales, then the codes
+    _store_scale(out_ptr, blk, bmask, stored, SB)
+    tl.store(codes_ptr + elem, codes.to(tl.uint8), mask=emask)
 
 
 @triton.jit
@@ -469,7 +549,15 @@ def _encode_into(
     meta = _scale_meta(codec)
     tiles_l = 8 // math.gcd(bs, 8)
     groups = triton.next_power_of_2(tiles_l * bs // 8)
-    if groups * 8 <= MAX_TILE:
+    if ROWS_PATH and codec.bits == 8 and bs & (bs - 1) == 0 and 8 <= bs <= MAX_TILE:
+        rows = max(1, min(tile_elems(values.device) // bs, triton.next_power_of_2(nblocks)))
+        _int_rows_kernel[(triton.cdiv(nblocks, rows),)](
+            xv, inp, out, err, n, nblocks, ctx.offset, key0, key1,
+            FUSED=incoming is not None, IN_KIND=kind, BS=bs, STOCHASTIC=stochastic, ROWS=rows,
+            **meta, enable_fp_fusion=False, num_warps=NUM_WARPS,
+        )  # fmt: skip
+        record_launch("_int_rows_kernel")
+    elif groups * 8 <= MAX_TILE:
         ntiles = -(-nblocks // tiles_l)
         rows = max(
             1, min(tile_elems(values.device) // (groups * 8), triton.next_power_of_2(ntiles))
