@@ -337,3 +337,26 @@ def store_codes(stream_ptr, codes, grp, gmask, elem, emask, nbytes, BITS: tl.con
         boff = grp[:, :, None] * BITS + j
         bmask = gmask[:, :, None] & (j < BITS) & (boff < nbytes)
         tl.store(stream_ptr + boff, ((word[:, :, None] >> (8 * j)) & 0xFF).to(tl.uint8), mask=bmask)
+
+
+# -- dense LSB-first packing of [R, B] rows of 4-bit codes (the rows kernels) -------------------
+
+
+@triton.jit
+def pack_rows(codes, R: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr):
+    """Bytes ``[R, B * BITS // 8]`` (int32) of the low ``BITS`` bits of ``codes`` ``[R, B]``,
+    packed LSB-first (element ``2j`` in the low nibble of byte ``j``); ``BITS`` 8 or 4."""
+    c = codes & ((1 << BITS) - 1)
+    if BITS == 4:
+        lo, hi = tl.split(tl.reshape(c, [R, B // 2, 2]))
+        c = lo | (hi << 4)
+    return c
+
+
+@triton.jit
+def unpack_rows(raw, R: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr):
+    """Codes ``[R, B]`` (int32) of bytes ``raw`` ``[R, B * BITS // 8]`` (int32), the inverse of
+    :func:`pack_rows`."""
+    if BITS == 4:
+        raw = tl.reshape(tl.join(raw & 0xF, (raw >> 4) & 0xF), [R, B])
+    return raw

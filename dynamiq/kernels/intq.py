@@ -49,11 +49,13 @@ from ._common import (
     hash_u32,
     load_codes,
     load_f32,
+    pack_rows,
     program_groups,
     sign_extend,
     store_codes,
     tile_elems,
     uniform_open01,
+    unpack_rows,
     value_view,
 )
 from ._stats import record_launch
@@ -62,7 +64,7 @@ __all__ = ["decode", "encode", "reduce"]
 
 #: largest tile (values) a program keeps in registers; larger ones take the two-kernel path
 MAX_TILE = 4096
-#: 8-bit codes with power-of-two blocks take :func:`_int_rows_kernel` (blocks as rows); False
+#: 8- and 4-bit codes in power-of-two blocks take :func:`_int_rows_kernel` (blocks as rows); False
 #: sends them through the general ``[ROWS, G, 8]`` kernel (``benchmarks/gpu_check.py`` times both)
 ROWS_PATH = True
 #: warps per program of the rows kernel (tuned on an H200 by ``benchmarks/gpu_check.py``)
@@ -318,11 +320,12 @@ def _int_rows_kernel(
     # pointers
     x_ptr,  # values to encode, or the local slice (reduce): int32 (fp32) / int16 (bf16, fp16)
     in_ptr,  # incoming payload (reduce; unused when not FUSED)
-    out_ptr,  # output payload: nblocks scales of SB bytes, then the 8-bit codes
+    out_ptr,  # output payload: nblocks scales of SB bytes, then the packed codes
     err_ptr,  # int32[1], as in _int_encode_kernel
     # sizes
     n,
     nblocks,
+    nbytes,  # bytes of the packed code stream
     # hop context (stochastic rounding)
     offset,
     key0,
@@ -330,6 +333,7 @@ def _int_rows_kernel(
     # meta-parameters
     FUSED: tl.constexpr,
     IN_KIND: tl.constexpr,
+    BITS: tl.constexpr,  # 8 or 4
     BS: tl.constexpr,  # block size, a power of two
     FMT: tl.constexpr,
     SB: tl.constexpr,
@@ -341,24 +345,31 @@ def _int_rows_kernel(
     STOCHASTIC: tl.constexpr,
     ROWS: tl.constexpr,  # blocks per program
 ):
-    # the GPU layout of 8-bit codes (one byte per value): blocks as rows [ROWS, BS], values
-    # contiguous along a row, so loads and stores are wide and a block's absmax is a row max.
-    # bytes moved per element: values in (4 fp32, 2 bf16/fp16) + (1 + SB / BS) out; FUSED
-    # adds (1 + SB / BS) in for the incoming payload
+    # the GPU layout of 8- and 4-bit codes: blocks as rows [ROWS, BS], values contiguous
+    # along a row, so loads and stores are wide and a block's absmax is a row max.
+    # bytes moved per element: values in (4 fp32, 2 bf16/fp16) + (BITS / 8 + SB / BS) out;
+    # FUSED adds (BITS / 8 + SB / BS) in for the incoming payload
+    BPR: tl.constexpr = BS * BITS // 8  # code bytes per block
 
     # -- map program -> blocks [ROWS], elements [ROWS, BS]
     blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     bmask = blk < nblocks
     elem = blk[:, None] * BS + tl.arange(0, BS)[None, :]
     emask = elem < n
-    codes_ptr = out_ptr + nblocks * SB
+    boff = blk[:, None] * BPR + tl.arange(0, BPR)[None, :]  # code bytes [ROWS, BPR]
+    bymask = boff < nbytes
 
     # -- load with mask: fp32 values (fused: decoded partial sum + local)
     v = load_f32(x_ptr, elem, emask, IN_KIND)
     if FUSED:
         s_in = _load_scale(in_ptr, blk, bmask, FMT, SB)
-        raw = tl.load(in_ptr + nblocks * SB + elem, mask=emask, other=0)
-        v = raw.to(tl.int8, bitcast=True).to(tl.float32) * s_in[:, None] + v
+        raw = tl.load(in_ptr + nblocks * SB + boff, mask=bymask, other=0)
+        if BITS == 8:
+            code_in = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            code_in = sign_extend(unpack_rows(raw.to(tl.int32), ROWS, BS, BITS), BITS)
+            code_in = code_in.to(tl.float32)
+        v = code_in * s_in[:, None] + v
 
     # -- compute: per-block absmax (integer max of |v| bits: NaN > Inf > finite), the scale
     amax = tl.max(tl.where(emask, f32_to_bits(v) & 0x7FFFFFFF, 0), axis=1)
@@ -372,7 +383,8 @@ def _int_rows_kernel(
 
     # -- store with mask: the scales, then the codes
     _store_scale(out_ptr, blk, bmask, stored, SB)
-    tl.store(codes_ptr + elem, codes.to(tl.uint8), mask=emask)
+    packed = pack_rows(tl.where(emask, codes, 0), ROWS, BS, BITS)
+    tl.store(out_ptr + nblocks * SB + boff, packed.to(tl.uint8), mask=bymask)
 
 
 @triton.jit
@@ -549,11 +561,12 @@ def _encode_into(
     meta = _scale_meta(codec)
     tiles_l = 8 // math.gcd(bs, 8)
     groups = triton.next_power_of_2(tiles_l * bs // 8)
-    if ROWS_PATH and codec.bits == 8 and bs & (bs - 1) == 0 and 8 <= bs <= MAX_TILE:
+    if ROWS_PATH and codec.bits in (8, 4) and bs & (bs - 1) == 0 and 8 <= bs <= MAX_TILE:
         rows = max(1, min(tile_elems(values.device) // bs, triton.next_power_of_2(nblocks)))
         _int_rows_kernel[(triton.cdiv(nblocks, rows),)](
-            xv, inp, out, err, n, nblocks, ctx.offset, key0, key1,
-            FUSED=incoming is not None, IN_KIND=kind, BS=bs, STOCHASTIC=stochastic, ROWS=rows,
+            xv, inp, out, err, n, nblocks, nbytes, ctx.offset, key0, key1,
+            FUSED=incoming is not None, IN_KIND=kind, BITS=codec.bits, BS=bs,
+            STOCHASTIC=stochastic, ROWS=rows,
             **meta, enable_fp_fusion=False, num_warps=NUM_WARPS,
         )  # fmt: skip
         record_launch("_int_rows_kernel")

@@ -29,16 +29,18 @@ from ._common import (
     f32_to_bits,
     load_codes,
     load_f32,
+    pack_rows,
     program_groups,
     store_codes,
     tile_elems,
+    unpack_rows,
     value_view,
 )
 from ._stats import record_launch
 
 __all__ = ["decode", "encode", "reduce"]
 
-#: 8-bit elements take :func:`_mx_rows_kernel` (blocks as rows, fewer operations per value);
+#: 8- and 4-bit elements take :func:`_mx_rows_kernel` (blocks as rows, fewer operations per value);
 #: False sends them through the general kernel (``benchmarks/gpu_check.py`` times both)
 ROWS_PATH = True
 #: warps per program of the rows kernel (tuned on an H200 by ``benchmarks/gpu_check.py``)
@@ -128,37 +130,40 @@ def _mx_encode_kernel(
 
 
 @triton.jit
-def _decode8(code, NMANT: tl.constexpr, BIAS: tl.constexpr, SPECIALS: tl.constexpr):
-    """:func:`~dynamiq.kernels._common.decode_element` of 8-bit codes, in fewer operations:
+def _decode_fast(
+    code, NMANT: tl.constexpr, BIAS: tl.constexpr, BITS: tl.constexpr, SPECIALS: tl.constexpr
+):
+    """:func:`~dynamiq.kernels._common.decode_element` of 8- and 4-bit codes, in fewer operations:
     the magnitude bits shifted into an fp32's place read as a value ``2^(127 - BIAS)`` too
     small (a subnormal code as an fp32 subnormal), scaled by an exact power of two."""
     if SPECIALS == 3:
         val = tl.where(code >= 128, code - 256, code).to(tl.float32) * (2.0**-NMANT)
     else:
-        mag = code & 0x7F
+        mag = code & ((1 << (BITS - 1)) - 1)
         val = bits_to_f32(mag << (23 - NMANT)) * (2.0 ** (127 - BIAS))
-        val = bits_to_f32(f32_to_bits(val) | ((code & 0x80) << 24))
+        val = bits_to_f32(f32_to_bits(val) | ((code >> (BITS - 1)) << 31))
         if SPECIALS == 0:  # IEEE: exponent all ones is Inf (mantissa 0) or NaN
             special = (mag >> NMANT) == (0x7F >> NMANT)
             inf = bits_to_f32(0x7F800000 | ((code & 0x80) << 24))
             val = tl.where(
                 special, tl.where((mag & ((1 << NMANT) - 1)) == 0, inf, float("nan")), val
             )
-        else:  # "fn": only 0x7f / 0xff is NaN
+        elif SPECIALS == 1:  # "fn": only 0x7f / 0xff is NaN
             val = tl.where(mag == 0x7F, float("nan"), val)
     return val
 
 
 @triton.jit
-def _encode8(
+def _encode_fast(
     bits,
     shared,
     NMANT: tl.constexpr,
     BIAS: tl.constexpr,
+    BITS: tl.constexpr,
     SPECIALS: tl.constexpr,
     MAX_CODE: tl.constexpr,
 ):
-    """:func:`~dynamiq.kernels._common.encode_element` of 8-bit codes in blocks without
+    """:func:`~dynamiq.kernels._common.encode_element` of 8- and 4-bit codes in blocks without
     NaN/Inf (the caller zeroes the codes of the others), in fewer operations. ``y = |x| *
     2^-shared`` is exact (or below 2^-126, far under half the smallest subnormal code, so
     0 either way); ``(y + c) - c`` with ``c = 2^(23 + q)`` rounds it to nearest even at the
@@ -179,7 +184,7 @@ def _encode8(
         c = bits_to_f32((ey - NMANT + 150) << 23)
         r = (y + c) - c
         mag = tl.minimum(f32_to_bits(r * (2.0 ** (BIAS - 127))) >> (23 - NMANT), MAX_CODE)
-        code = mag | ((bits >> 24) & 0x80)
+        code = mag | (((bits >> 31) & 1) << (BITS - 1))
     return code
 
 
@@ -188,29 +193,34 @@ def _mx_rows_kernel(
     # pointers
     x_ptr,  # values to encode, or the local slice (reduce): int32 (fp32) / int16 (bf16, fp16)
     in_ptr,  # incoming payload (reduce; unused when not FUSED)
-    out_ptr,  # output payload: nblocks scale bytes, then the 8-bit codes
+    out_ptr,  # output payload: nblocks scale bytes, then the packed codes
     # sizes
     n,  # number of values
     nblocks,  # ceil(n / 32)
+    nbytes,  # bytes of the packed code stream
     # meta-parameters
     FUSED: tl.constexpr,
     IN_KIND: tl.constexpr,
     NMANT: tl.constexpr,
     BIAS: tl.constexpr,
+    BITS: tl.constexpr,  # 8 or 4
     SPECIALS: tl.constexpr,
     MAX_CODE: tl.constexpr,
     EMAX: tl.constexpr,
     ROWS: tl.constexpr,  # blocks per program
 ):
-    # the GPU layout of 8-bit elements: blocks as rows [ROWS, 32], values contiguous along a
-    # row (wide loads and stores; a block's absmax is a row max). Bytes moved per element:
-    # values in (4 fp32, 2 bf16/fp16) + (1 + 1 / 32) out; FUSED adds (1 + 1 / 32) in
+    # the GPU layout of 8- and 4-bit elements: blocks as rows [ROWS, 32], values contiguous
+    # along a row (wide loads and stores; a block's absmax is a row max). Bytes moved per
+    # element: values in (4 fp32, 2 bf16/fp16) + (BITS / 8 + 1 / 32) out; FUSED adds as much in
+    BPR: tl.constexpr = 4 * BITS  # code bytes per block
 
     # -- map program -> blocks [ROWS], elements [ROWS, 32]
     blk = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     bmask = blk < nblocks
     elem = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     emask = elem < n
+    boff = blk[:, None] * BPR + tl.arange(0, BPR)[None, :]  # code bytes [ROWS, BPR]
+    bymask = boff < nbytes
 
     # -- load with mask: the fp32 values (fused: decoded partial sum + local)
     v = load_f32(x_ptr, elem, emask, IN_KIND)
@@ -218,20 +228,22 @@ def _mx_rows_kernel(
         sc = tl.load(in_ptr + blk, mask=bmask, other=0).to(tl.int32)
         scale = bits_to_f32(tl.where(sc == 0, 1 << 22, sc << 23))
         scale = tl.where(sc == 0xFF, float("nan"), scale)
-        code = tl.load(in_ptr + nblocks + elem, mask=emask, other=0).to(tl.int32)
-        v = _decode8(code, NMANT, BIAS, SPECIALS) * scale[:, None] + v
+        raw = tl.load(in_ptr + nblocks + boff, mask=bymask, other=0).to(tl.int32)
+        code = unpack_rows(raw, ROWS, 32, BITS)
+        v = _decode_fast(code, NMANT, BIAS, BITS, SPECIALS) * scale[:, None] + v
     bits = f32_to_bits(v)
 
     # -- compute: shared exponent from the integer max of |v| bits (NaN > Inf > finite)
     amax = tl.max(tl.where(emask, bits & 0x7FFFFFFF, 0), axis=1)
     finite = amax < 0x7F800000
     shared = tl.minimum(tl.maximum(exponent_of(amax) - EMAX, -127), 127)
-    codes = _encode8(bits, shared[:, None], NMANT, BIAS, SPECIALS, MAX_CODE)
-    codes = tl.where(finite[:, None], codes, 0)
+    codes = _encode_fast(bits, shared[:, None], NMANT, BIAS, BITS, SPECIALS, MAX_CODE)
+    codes = tl.where(finite[:, None] & emask, codes, 0)
 
     # -- store with mask: scale bytes, then the codes
     tl.store(out_ptr + blk, tl.where(finite, shared + 127, 0xFF).to(tl.uint8), mask=bmask)
-    tl.store(out_ptr + nblocks + elem, codes.to(tl.uint8), mask=emask)
+    packed = pack_rows(codes, ROWS, 32, BITS)
+    tl.store(out_ptr + nblocks + boff, packed.to(tl.uint8), mask=bymask)
 
 
 @triton.jit
@@ -294,11 +306,13 @@ def _encode_into(
     rows = _rows(values.device, nblocks)
     xv, kind = value_view(values)
     grid = (triton.cdiv(nblocks, rows),)
-    if ROWS_PATH and fmt.bits == 8:
+    if ROWS_PATH and fmt.bits in (8, 4):
         _mx_rows_kernel[grid](
             xv, out if incoming is None else incoming, out, n, nblocks,
+            packed_nbytes(n, fmt.bits),
             FUSED=incoming is not None, IN_KIND=kind, NMANT=fmt.nmant, BIAS=fmt.bias,
-            SPECIALS=SPECIALS[fmt.specials], MAX_CODE=fmt.max_code, EMAX=fmt.emax, ROWS=rows,
+            BITS=fmt.bits, SPECIALS=SPECIALS[fmt.specials], MAX_CODE=fmt.max_code,
+            EMAX=fmt.emax, ROWS=rows,
             enable_fp_fusion=False, num_warps=NUM_WARPS,
         )  # fmt: skip
         record_launch("_mx_rows_kernel")

@@ -375,9 +375,9 @@ def test_auto_uses_triton_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> N
     assert K.last_backend() == "reference"  # CPU without TRITON_INTERPRET: the fast path
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        before = K.launch_counts().get("_mx_encode_kernel", 0)
+        before = sum(K.launch_counts().values())
         assert torch.equal(codec.encode(x), K.encode(codec, x, backend="reference"))
-        assert K.launch_counts()["_mx_encode_kernel"] == before + 1
+        assert sum(K.launch_counts().values()) == before + 1
     else:
         codec.encode(x.cuda())
         assert K.last_backend() == "triton"
