@@ -246,12 +246,12 @@ def _inputs(codec: Any, n: int, seed: int) -> list[Any]:
     return [x.float(), e.float()]
 
 
-def _same(codec: Any, got: Any, want: Any, numel: int = 0) -> bool:
-    """Bytes equal; fp32 values (and fp32-codec payloads, and the fp32 values of omnireduce
-    payloads of ``numel`` values) with NaN compared by position."""
+def _same(codec: Any, got: Any, want: Any) -> bool:
+    """Bytes equal (every NaN a codec writes is canonical); fp32 values (decoded outputs and
+    the ``fp32`` codec's payloads, which carry fp32 sums) with NaN compared by position, since
+    which NaN bits an fp32 add returns is the hardware's choice."""
     import torch
 
-    from dynamiq.codecs.omnireduce import OmniReduceCodec
     from dynamiq.codecs.passthrough import FP32Codec
 
     if got is None or want is None:
@@ -259,13 +259,6 @@ def _same(codec: Any, got: Any, want: Any, numel: int = 0) -> bool:
     got, want = got.cpu(), want.cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         return False
-    if got.dtype == torch.uint8 and isinstance(codec, OmniReduceCodec):
-        head = -(-codec._nblocks(numel) // 8)
-        if not torch.equal(got[:head], want[:head]):
-            return False
-        if codec.values.codec_id != "fp32":
-            return bool(torch.equal(got, want))
-        got, want = got[head:].clone(), want[head:].clone()
     if got.dtype == torch.uint8 and not isinstance(codec, FP32Codec):
         return bool(torch.equal(got, want))
     g, w = got.view(torch.float32), want.view(torch.float32)
@@ -339,7 +332,7 @@ def _check_codec(name: str, codec: Any, device: Any, small: bool) -> dict[str, A
                             checks += [("reduce", got_r, want_r)]
                     for op, got, want in checks:
                         cases += 1
-                        same = got is want if isinstance(want, bool) else _same(codec, got, want, n)
+                        same = got is want if isinstance(want, bool) else _same(codec, got, want)
                         if not same and first_bad is None:
                             first_bad = f"{op} {dtype} n={n} input {i} ref on {rdev}"
                         ok &= same

@@ -6,7 +6,8 @@ decode to zero.
 
 * ``density = 1`` (the lossless original): every block that is not all zero is sent, in fp32
   (``value_format="auto"``), so ``decode(encode(x)) == x`` (a ``-0.0`` in an all-zero block
-  decodes to ``+0.0``). On dense gradients this saves almost nothing.
+  decodes to ``+0.0``, and every NaN to the canonical NaN). On dense gradients this saves almost
+  nothing.
 * ``density < 1`` (the usual lossy adaptation): each rank keeps its top ``density`` fraction
   of blocks by squared L2 norm, ``K = ceil(density · blocks)`` (``density`` read as the
   decimal it is written as), ties broken by the lower
@@ -39,8 +40,10 @@ exactly the error of ``encode`` (tight: every dropped element reaches it).
 
 Wire layout: the bitmap (``ceil(blocks / 8)`` bytes, block ``b`` in bit ``b % 8`` of byte
 ``b // 8``), then the carried blocks' values in order, each in the value format
-(little-endian, as the pass-through codecs write them). The size depends on the data:
-``encoded_nbytes`` is ``None`` and the engine sends the length first.
+(little-endian, as the pass-through codecs write them; fp32 values write every NaN as the
+canonical quiet NaN ``0x7fc00000``, as the 16-bit formats do, so that no NaN payload that a
+conversion or a sum left, which depends on the device, reaches the wire). The size depends on
+the data: ``encoded_nbytes`` is ``None`` and the engine sends the length first.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ __all__ = ["OmniReduceCodec"]
 VALUE_FORMATS = ("auto", "fp32", "bf16", "fp16")
 #: keys of this rank's selection rule in ``HopContext.shared``
 THRESHOLD_KEY, TIE_KEY = "omnireduce_threshold", "omnireduce_tie"
+#: the bits of every NaN that fp32 values carry (the canonical quiet NaN)
+CANONICAL_NAN_F32 = 0x7FC00000
 
 
 class _Comm(Protocol):
@@ -204,7 +209,15 @@ class OmniReduceCodec(Codec):
 
     def _pack(self, values: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
         keep = self._elements(sent, values.numel())
-        body = self.values.encode(values[keep].contiguous())
+        carried = values[keep].contiguous()
+        if self.values.dtype == torch.float32:
+            # every NaN as the canonical quiet NaN: the NaN bits of a conversion (fp16 ->
+            # fp32) or of a sum (inf + -inf, NaN + x) depend on the device and, on the CPU,
+            # on the position (vectorised body or scalar tail); 16-bit values are canonical
+            # already (the pass-through codecs)
+            bits = torch.where(torch.isnan(carried), CANONICAL_NAN_F32, carried.view(torch.int32))
+            carried = bits.view(torch.float32)
+        body = self.values.encode(carried)
         return torch.cat([pack_bits(sent.to(torch.uint8), 1), body])
 
     def _encode(self, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:

@@ -29,10 +29,12 @@ the rule comes from the sum: no ``ctx.shared``, density below 1).
 
 Bit-exactness: squares ``fl64(x)^2`` are exact, the tree adds in the reference's order (so NaN
 and ±Inf propagate as there); values are converted like the pass-through codecs (fp32 copied
-bit for bit, bf16 and fp16 rounded to nearest-even on the bit pattern with saturation and the
-canonical NaN, :mod:`dynamiq.kernels._common`); ``decode(payload) + local`` adds ``+0.0`` where
-the payload carries no block (``-0.0 + 0.0 = +0.0``, as the reference). The carried values are
-read and written byte by byte (the value area starts right after the bitmap, unaligned).
+bit for bit, bf16 and fp16 rounded to nearest-even on the bit pattern with saturation; every
+NaN written as the format's canonical NaN, fp32 included, :mod:`dynamiq.kernels._common`: the
+hardware's own NaN bits of a conversion or an add never reach the wire); ``decode(payload) +
+local`` adds ``+0.0`` where the payload carries no block (``-0.0 + 0.0 = +0.0``, as the
+reference). The carried values are read and written byte by byte (the value area starts right
+after the bitmap, unaligned).
 
 Layout: the norms kernel gives a program ``R`` whole blocks (a tile ``[R, block_size]``); a
 block larger than a tile (``NCH`` tiles) is read as ``NCH`` strided slices ``c + NCH * m``,
@@ -55,6 +57,7 @@ from dynamiq.codecs.omnireduce import THRESHOLD_KEY, TIE_KEY, OmniReduceCodec
 from dynamiq.codecs.packing import unpack_bits
 
 from ._common import (
+    NAN_F32,
     bits_to_f32,
     f16_bits_to_f32_bits,
     f32_to_bf16_bits,
@@ -104,9 +107,12 @@ def _load_value(ptr, pos, mask, KIND: tl.constexpr, ISZ: tl.constexpr):
 @triton.jit
 def _store_value(ptr, pos, mask, v, KIND: tl.constexpr, ISZ: tl.constexpr):
     """Write fp32 ``v`` as items ``pos`` of a value stream at byte pointer ``ptr``: fp32 bit
-    for bit, bf16/fp16 as the pass-through codecs round them."""
+    for bit but NaN as the canonical ``0x7fc00000`` (the reference's ``_pack``), bf16/fp16 as
+    the pass-through codecs round them."""
     bits = f32_to_bits(v)
-    if KIND == 1:
+    if KIND == 0:
+        bits = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, NAN_F32, bits)
+    elif KIND == 1:
         bits = f32_to_bf16_bits(bits)
     elif KIND == 2:
         bits = f32_to_f16_bits(bits)
@@ -221,7 +227,7 @@ def _omni_write_kernel(
         isent = tl.load(in_sent_ptr + blk, mask=smask, other=0) != 0
         ipos = tl.load(in_pos_ptr + blk, mask=smask & isent, other=0)
         # +0.0 where the payload carries no block; local + partial (only NaN bits depend on
-        # the order, as in the pass-through kernels)
+        # the order, and every NaN is written canonical)
         v = v + _load_value(in_ptr + in_head, ipos + inner, smask & isent, KIND, ISZ)
     # -- compute and store with mask: the value format's bytes
     _store_value(out_ptr + head, pos + inner, smask, v, KIND, ISZ)

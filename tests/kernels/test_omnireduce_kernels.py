@@ -2,11 +2,12 @@
 
 Every test computes the reference (``backend="reference"``) beside the kernels
 (``backend="triton"``, forced) on the same device, with a proof that the kernel writing the
-result launched, and compares with no tolerance: the bitmap and 16-bit values byte for byte,
-fp32 values as int32 views with NaN by position (which NaN an fp32 add returns is the
-hardware's choice). Densities 1, 0.5, 0.1 (and others), every value format, block sizes from
-1 to larger than a kernel tile, short last blocks, the rule with and without ``ctx.shared``,
-offsets, ties, NaN/±Inf/zero/-0.0/subnormal/saturating blocks, arbitrary payloads.
+result launched, and compares with no tolerance: payloads byte for byte (every NaN a payload
+carries is its value format's canonical NaN, fp32 included, so no NaN bits are the hardware's
+choice), decoded fp32 values as int32 views with NaN by position. Densities 1, 0.5, 0.1 (and
+others), every value format, block sizes from 1 to larger than a kernel tile (also in the
+GPU's tiles), short last blocks, the rule with and without ``ctx.shared``, offsets, ties,
+NaN/±Inf/zero/-0.0/subnormal/saturating blocks, arbitrary payloads; the canonical NaN's bytes.
 
 On the CPU the reference's own pass-through conversions run on their PyTorch reference too
 (``TRITON_INTERPRET`` is unset around each test; the dispatcher switches the interpreter on
@@ -64,16 +65,18 @@ def both(fn: Any, *args: Any) -> tuple[Any, Any]:
 def assert_payload_equal(
     codec: OmniReduceCodec, got: torch.Tensor, want: torch.Tensor, n: int, what: str
 ) -> None:
-    """Same size and bitmap; values byte for byte (fp32: as values, NaN by position)."""
+    """Same size and bitmap; values byte for byte (NaN included: it is canonical)."""
     got, want = got.cpu(), want.cpu()
     assert got.shape == want.shape, f"{what}: {got.numel()} bytes != {want.numel()}"
     head = -(-codec._nblocks(n) // 8)
     assert_bytes_equal(got[:head], want[:head], f"{what} bitmap")
-    if codec.values.codec_id == "fp32":
-        g, w = got[head:].clone().view(torch.float32), want[head:].clone().view(torch.float32)
-        assert_values_equal(g, w, f"{what} values")
-    else:
-        assert_bytes_equal(got[head:], want[head:], f"{what} values")
+    assert_bytes_equal(got[head:], want[head:], f"{what} values")
+
+
+def fp32_values(codec: OmniReduceCodec, payload: torch.Tensor, n: int) -> torch.Tensor:
+    """The int32 bit patterns of an fp32-valued payload's values (after its bitmap)."""
+    head = -(-codec._nblocks(n) // 8)
+    return payload.cpu()[head:].clone().view(torch.int32)
 
 
 def check_all(
@@ -337,3 +340,88 @@ def test_registered_for_the_codec_only() -> None:
         codec_id = "omnireduce_sub_kernels_test"
 
     assert not K.has_kernels(Sub())
+
+
+# -- NaN bits and the GPU's tile geometry (benchmarks/gpu_check.py on an H200) ----------------
+
+#: the canonical quiet NaN every fp32 value of a payload is written with
+CANONICAL_NAN = 0x7FC00000
+
+
+def _nan_bits(*patterns: int) -> torch.Tensor:
+    """fp32 values with the given bit patterns (NaN with payloads and signs)."""
+    return torch.tensor(patterns, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("density", [1.0, 0.5])
+def test_fp32_values_carry_the_canonical_nan(density: float) -> None:
+    """Every NaN of an fp32-valued payload is ``0x7fc00000``, from the reference and the
+    kernels alike: whatever NaN the input held (sign, payload, signalling), and NaN made by a
+    conversion (fp16/bf16 -> fp32: torch's CPU cast writes ``0x7fc00000`` in its vectorised
+    body and ``0x7fffffff`` in its scalar tail, a GPU its own) or by a sum (``inf + -inf`` is
+    ``0xffc00000`` on x86, ``0x7fffffff`` on a GPU). The expected bytes are built here: the
+    input's fp32 bits with NaN replaced by position."""
+    b = 4
+    codec = OmniReduceCodec(density=density, block_size=b, value_format="fp32")
+    odd = _nan_bits(0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF, 0x7FA5A5A5, 0xFFC00001)
+    fp32 = torch.cat([odd, torch.tensor([1.0, -2.0, 3.0]), odd.flip(0), torch.tensor([0.5])])
+    n = fp32.numel()  # 16: four blocks, each holding NaN (always sent)
+    half = torch.full((n,), 1.5, dtype=torch.float16)
+    half[torch.arange(n) % 4 == 1] = math.nan  # body and tail of torch's vectorised cast
+    half[-1] = -math.nan
+    brain = fp32.to(torch.bfloat16)
+    for x in (fp32, half, brain):
+        isnan = torch.isnan(x.float())
+        want_bits = torch.where(isnan, CANONICAL_NAN, x.float().view(torch.int32))
+        got, want = both(K.encode, codec, x.to(DEVICE), HopContext())
+        assert_payload_equal(codec, got, want, n, f"encode {x.dtype}")
+        assert torch.equal(fp32_values(codec, want, n), want_bits), f"{x.dtype}: NaN bits"
+    # reduce: NaN + x, x + NaN, NaN + NaN (two payloads) and inf + -inf
+    first = torch.tensor([math.inf, 1.0, math.nan, -math.inf] * 4)
+    local = torch.cat([_nan_bits(0xFFC00001), torch.tensor([-math.inf, 2.0, math.inf] * 5)])
+    payload = K.encode(codec, first.to(DEVICE), backend="reference")
+    for loc in (local, local.to(torch.float16)):
+        got, want = both(K.reduce, codec, payload, loc.to(DEVICE), HopContext(), HopContext())
+        assert_payload_equal(codec, got, want, n, f"reduce {loc.dtype}")
+        total = first + loc.float()
+        want_bits = torch.where(torch.isnan(total), CANONICAL_NAN, total.view(torch.int32))
+        assert torch.equal(fp32_values(codec, want, n), want_bits), f"reduce {loc.dtype}"
+
+
+def gpu_check_input(n: int, b: int, seed: int, first: int) -> torch.Tensor:
+    """Like ``benchmarks/gpu_check.py``'s edge-case input: blocks (kinds ``first``,
+    ``first + 1``, ... mod 8) of zeros, fp32 subnormals, ±2^100, ties, a NaN, a -Inf, tiny
+    values, normal values; and a NaN in the last element (the scalar tail of torch's vectorised
+    fp16 -> fp32 cast)."""
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(n, generator=g).double()
+    i = torch.arange(n)
+    k = (i // b + first) % 8
+    e = torch.where(k == 0, 0.0, e)
+    e = torch.where(k == 1, e * 2.0**-140, e)
+    e = torch.where(k == 2, torch.sign(e) * 2.0**100, e)
+    e = torch.where(k == 3, (i % 64 - 32 + 0.5) * 2.0**-3, e)
+    e = torch.where((k == 4) & (i % b == 0), math.nan, e)
+    e = torch.where((k == 5) & (i % b == 1), -math.inf, e)
+    e = torch.where(k == 6, e * 2.0**-24, e)
+    e[-1] = math.nan
+    return e.float()
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16"])
+def test_gpu_tile_geometry(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU check's ``omnireduce_d0.1_fp32_b8192`` case with the GPU's tiles (2048 values:
+    a block of 8192 is 4 strided slices), under the interpreter on the CPU: an fp16 input
+    holding NaN and ±Inf (2^100 overflows fp16), a short last block; encode, decode and reduce
+    bit for bit, the payloads byte for byte (on an H200 the fp32 payloads differed in their
+    NaN bits only)."""
+    tile = komni.tile_elems(torch.device("cuda"))  # what a GPU runs (no GPU needed)
+    assert tile < 8192
+    monkeypatch.setattr(komni, "tile_elems", lambda device: tile)
+    b = 8192
+    n = 7 * b + 1699  # 8 blocks, the last one short (as 100003 = 12 · 8192 + 1699)
+    codec = OmniReduceCodec(density=0.1, block_size=b, value_format=fmt)
+    x = gpu_check_input(n, b, 7, first=1).to(torch.float16).to(DEVICE)
+    local = random_values(n, 11, spread=20).to(torch.float16).to(DEVICE)  # overflows: ±Inf
+    check_all(codec, x, local, HopContext(offset=2**32 - 40), HopContext(), f"{fmt} edge")
+    check_all(codec, local, x, HopContext(), HopContext(offset=2**32 - 40), f"{fmt} random")
