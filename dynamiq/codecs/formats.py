@@ -140,6 +140,11 @@ class ElementFormat:
     @property
     def emax(self) -> int:
         """Exponent of the largest finite value, ``floor(log2(max))``."""
+        return self._emax()
+
+    @functools.cache  # noqa: B019 - formats are a handful of frozen module constants
+    def _emax(self) -> int:
+        # cached: the kernels' launchers read it on every call (a tensor op each time)
         return int(exponent_of(torch.tensor([self.max])).item())
 
     # -- decode -----------------------------------------------------------------------------

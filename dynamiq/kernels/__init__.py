@@ -364,6 +364,13 @@ def _builtin_module(cls: type) -> str | None:
 
 #: whether this module set TRITON_INTERPRET=1 itself (for a forced backend="triton" on the CPU)
 _ENV_SET_HERE = False
+#: kernel modules loaded by :func:`_builtin`: name -> (module, whether interpreted)
+_LOADED: dict[str, tuple[types.ModuleType, bool]] = {}
+_COMPILED_MODE = (
+    "the Triton backend runs CPU tensors through Triton's interpreter, but Triton was imported "
+    "without TRITON_INTERPRET=1: set it before Triton is imported, or use backend='reference' "
+    "(or CUDA tensors)"
+)
 
 
 def _builtin(name: str, *, interpret: bool) -> types.ModuleType:
@@ -375,17 +382,20 @@ def _builtin(name: str, *, interpret: bool) -> types.ModuleType:
     imported in compiled mode, that is an error.
     """
     global _ENV_SET_HERE
+    loaded = _LOADED.get(name)
+    if loaded is not None and sys.modules.get(f"{__name__}.{name}") is loaded[0]:
+        # imported before, in the mode Triton runs in for the rest of the process: skip the
+        # checks (they cost more than a launch); a CPU call still needs the interpreter
+        if interpret and not loaded[1]:
+            raise RuntimeError(_COMPILED_MODE)
+        return loaded[0]
     with _LOCK:
         if interpret and "triton" not in sys.modules and not _interpret_env():
             os.environ["TRITON_INTERPRET"] = "1"
             _ENV_SET_HERE = True
         interpreted = _triton_interpreting()
         if interpret and not interpreted:
-            raise RuntimeError(
-                "the Triton backend runs CPU tensors through Triton's interpreter, but Triton "
-                "was imported without TRITON_INTERPRET=1: set it before Triton is imported, "
-                "or use backend='reference' (or CUDA tensors)"
-            )
+            raise RuntimeError(_COMPILED_MODE)
         with _env("TRITON_INTERPRET", "1" if interpreted else "0"):
             module = importlib.import_module(f"{__name__}.{name}")
         if _is_interpreted(module) != interpreted:
@@ -394,6 +404,7 @@ def _builtin(name: str, *, interpret: bool) -> types.ModuleType:
                 "Triton was imported in; import it through dynamiq.kernels or set "
                 "TRITON_INTERPRET before importing Triton"
             )
+        _LOADED[name] = (module, interpreted)
         return module
 
 

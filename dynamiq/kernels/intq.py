@@ -27,6 +27,7 @@ then one that reads the scale back and quantizes (the values are read twice).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -515,12 +516,17 @@ def _int_quantize_kernel(
 
 
 def _scale_meta(codec: IntCodec) -> dict[str, int]:
-    fmt, p, gmin = _FMT[codec.scale_format]
-    qmax = codec.qmax
-    max_in = torch.tensor([codec.max_input_abs], dtype=torch.float32).view(torch.int32)
+    return dict(_scale_meta_of(codec.scale_format, codec.qmax, codec.max_input_abs))
+
+
+@functools.cache
+def _scale_meta_of(scale_format: str, qmax: int, max_input_abs: float) -> dict[str, int]:
+    # cached: launchers read it on every call (a tensor op)
+    fmt, p, gmin = _FMT[scale_format]
+    max_in = torch.tensor([max_input_abs], dtype=torch.float32).view(torch.int32)
     return {
         "FMT": fmt,
-        "SB": _SCALE_BYTES[codec.scale_format],
+        "SB": _SCALE_BYTES[scale_format],
         "P": p,
         "GMIN": gmin,
         "QMAX": qmax,
