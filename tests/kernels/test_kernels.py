@@ -489,3 +489,25 @@ def test_kernel_modules_are_not_imported_by_dynamiq() -> None:
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_cpu_tensors_after_a_compiled_import_raise_every_time() -> None:
+    """Once a kernel module is loaded compiled (as for CUDA tensors), a CPU call on the Triton
+    backend raises, the first time and from the dispatcher's cache of loaded modules alike."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, dynamiq, dynamiq.kernels as K; c = dynamiq.get_codec('int8');"
+        "import triton; K._builtin('intq', interpret=False);"
+        "assert K._LOADED['intq'][1] is False\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        K.encode(c, torch.ones(64), backend='triton')\n"
+        "    except RuntimeError as e:\n"
+        "        assert 'TRITON_INTERPRET=1' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('no error')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
