@@ -707,6 +707,33 @@ def time_kernels(
 # -- compile only (no GPU) --------------------------------------------------------------------
 
 
+#: integer kernel arguments that are 64-bit (the others are 32-bit)
+_WIDE_ARGS = ("offset", "key0", "key1", "offset_in", "rkey0", "rkey1")
+
+
+def launch_signature(
+    kernel: Any, args: tuple[Any, ...], kw: dict[str, Any]
+) -> tuple[dict[str, str], dict[str, Any], int]:
+    """``(signature, constexprs, num_warps)`` of a launch ``kernel[grid](*args, **kw)``, as
+    ``triton.compile`` takes them (upper-case arguments are the constexprs)."""
+    import torch
+
+    ptr = {torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8", torch.float32: "fp32"}
+    ptr.update({torch.int64: "i64", torch.float64: "fp64"})
+    params = {**dict(zip(kernel.arg_names, args, strict=False)), **kw}
+    const = {k: v for k, v in params.items() if k.isupper()}
+    sig = {}
+    for k in kernel.arg_names:
+        v = params[k]
+        if k in const:
+            sig[k] = "constexpr"
+        elif isinstance(v, torch.Tensor):
+            sig[k] = "*" + ptr[v.dtype]
+        else:
+            sig[k] = "i64" if k in _WIDE_ARGS else "i32"
+    return sig, const, int(kw.get("num_warps", 4))  # the launcher's choice (default 4)
+
+
 def compile_only(arch: int) -> int:
     """Compile every distinct kernel launch of the checks for ``sm_{arch}`` (no device)."""
     import torch
@@ -722,9 +749,6 @@ def compile_only(arch: int) -> int:
     from dynamiq.kernels import thc as kthc
 
     launches: dict[str, tuple[Any, dict[str, str], dict[str, Any], int]] = {}
-    _PTR = {torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8"}
-    _PTR.update({torch.float32: "fp32", torch.int64: "i64", torch.float64: "fp64"})
-    _WIDE_ARGS = ("offset", "key0", "key1", "offset_in", "rkey0", "rkey1")  # 64-bit ints
 
     class Recorder:
         def __init__(self, kernel: Any) -> None:
@@ -732,19 +756,7 @@ def compile_only(arch: int) -> int:
 
         def __getitem__(self, grid: Any) -> Callable[..., None]:
             def launch(*args: Any, **kw: Any) -> None:
-                names = self.kernel.arg_names
-                params = {**dict(zip(names, args, strict=False)), **kw}
-                const = {k: v for k, v in params.items() if k.isupper()}
-                sig = {}
-                for k in names:
-                    v = params[k]
-                    if k in const:
-                        sig[k] = "constexpr"
-                    elif isinstance(v, torch.Tensor):
-                        sig[k] = "*" + _PTR[v.dtype]
-                    else:
-                        sig[k] = "i64" if k in _WIDE_ARGS else "i32"
-                warps = int(kw.get("num_warps", 4))  # the launcher's choice (default 4)
+                sig, const, warps = launch_signature(self.kernel, args, kw)
                 key = f"{self.kernel.fn.__name__}{sorted(sig.items())}{sorted(const.items())}"
                 launches[key + str(warps)] = (self.kernel, sig, const, warps)
 

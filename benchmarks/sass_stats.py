@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from dynamiq.kernels import intq, mx
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    ptr = {torch.int32: "i32", torch.int16: "i16", torch.uint8: "u8", torch.float32: "fp32"}
+    from gpu_check import launch_signature
+
     launches: list[tuple[Any, dict[str, str], dict[str, Any], int]] = []
 
     class Recorder:
@@ -53,19 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def __getitem__(self, grid: Any) -> Any:
             def launch(*a: Any, **kw: Any) -> None:
-                names = self.kernel.arg_names
-                params = {**dict(zip(names, a, strict=False)), **kw}
-                const = {k: v for k, v in params.items() if k.isupper()}
-                sig = {}
-                for k in names:
-                    v = params[k]
-                    if k in const:
-                        sig[k] = "constexpr"
-                    elif isinstance(v, torch.Tensor):
-                        sig[k] = "*" + ptr[v.dtype]
-                    else:
-                        sig[k] = "i64" if k in ("offset", "key0", "key1") else "i32"
-                launches.append((self.kernel, sig, const, int(kw.get("num_warps", 4))))
+                launches.append((self.kernel, *launch_signature(self.kernel, a, kw)))
 
             return launch
 

@@ -48,6 +48,15 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _load_e8m0(ptr, blk, mask):
+    """fp32 values of the E8M0 scales of blocks ``blk``: code c is 2^(c - 127); code 0 is the
+    fp32 subnormal 2^-127, 0xff is NaN."""
+    sc = tl.load(ptr + blk, mask=mask, other=0).to(tl.int32)
+    scale = bits_to_f32(tl.where(sc == 0, 1 << 22, sc << 23))
+    return tl.where(sc == 0xFF, float("nan"), scale)
+
+
+@triton.jit
 def _mx_decode_tile(
     in_ptr,
     blk,
@@ -65,10 +74,7 @@ def _mx_decode_tile(
     SPECIALS: tl.constexpr,
 ):
     """fp32 values ``[R, 4, 8]`` of the blocks ``blk`` ``[R]`` of an MX payload."""
-    # E8M0 scale: code c is 2^(c - 127); code 0 is the fp32 subnormal 2^-127, 0xff is NaN
-    sc = tl.load(in_ptr + blk, mask=bmask, other=0).to(tl.int32)
-    scale = bits_to_f32(tl.where(sc == 0, 1 << 22, sc << 23))
-    scale = tl.where(sc == 0xFF, float("nan"), scale)
+    scale = _load_e8m0(in_ptr, blk, bmask)
     codes = load_codes(in_ptr + nblocks, grp, gmask, elem, emask, nbytes, BITS)
     return decode_element(codes, NEXP, NMANT, BIAS, BITS, SPECIALS) * scale[:, None, None]
 
@@ -225,9 +231,7 @@ def _mx_rows_kernel(
     # -- load with mask: the fp32 values (fused: decoded partial sum + local)
     v = load_f32(x_ptr, elem, emask, IN_KIND)
     if FUSED:
-        sc = tl.load(in_ptr + blk, mask=bmask, other=0).to(tl.int32)
-        scale = bits_to_f32(tl.where(sc == 0, 1 << 22, sc << 23))
-        scale = tl.where(sc == 0xFF, float("nan"), scale)
+        scale = _load_e8m0(in_ptr, blk, bmask)
         raw = tl.load(in_ptr + nblocks + boff, mask=bymask, other=0).to(tl.int32)
         code = unpack_rows(raw, ROWS, 32, BITS)
         v = _decode_fast(code, NMANT, BIAS, BITS, SPECIALS) * scale[:, None] + v
