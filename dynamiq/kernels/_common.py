@@ -220,37 +220,32 @@ def encode_element(
     BITS: tl.constexpr,
     SPECIALS: tl.constexpr,
     MAX_CODE: tl.constexpr,
-    NAN_CODE: tl.constexpr,
-    INF_CODE: tl.constexpr,
 ):
-    """``ElementFormat.encode(x, scale_exp, saturate=True)`` on fp32 bits: the code of
-    ``x * 2^-scale_exp`` (int32, low ``BITS`` bits)."""
-    sign = (bits >> 31) & 1
-    sig, ue, a = split_f32(bits, scale_exp)
+    """``ElementFormat.encode(x, scale_exp, saturate=True)`` on the fp32 bits of finite ``x``
+    with ``|x| * 2^-scale_exp < 2^16``, as in a block whose shared exponent comes from its
+    maximum (the MX kernels zero the codes of blocks holding NaN/Inf): the code of ``x *
+    2^-scale_exp`` (int32, low ``BITS`` bits), ``scale_exp`` in ``[-127, 127]``.
+
+    ``y = |x| * 2^-scale_exp`` is exact (or below 2^-126, far under half the smallest
+    subnormal code of every format, so 0 either way). ``(y + c) - c`` with ``c = 2^(23 + q)``
+    rounds it to nearest even at the format's spacing ``2^q`` there (``y < c``, and every fp32
+    in ``[c, 2c)`` is a multiple of ``2^q``); the rounded value, an exact element value, times
+    ``2^(BIAS - 127)`` is an fp32 whose bits are the code's (a subnormal code as an fp32
+    subnormal). Integer elements round ``y * 2^NMANT`` by adding and subtracting ``2^23``."""
+    a = bits & 0x7FFFFFFF
+    # 2^-scale_exp: 2^-127 is an fp32 subnormal
+    inv = bits_to_f32(tl.where(scale_exp == 127, 1 << 22, (127 - scale_exp) << 23))
+    y = bits_to_f32(a) * inv
     if SPECIALS == 3:
-        # ElementFormat._round_int: value * 2^NMANT = sig * 2^(ue - 23 + NMANT)
-        shift = tl.minimum(tl.maximum(23 - NMANT - ue, 1), 25)
-        r = rne_shift(sig, shift)
-        mag = tl.minimum(tl.where(ue > 23 - NMANT - 1, MAX_CODE + 1, r), MAX_CODE + 1)
+        r = (y * (2.0**NMANT) + 8388608.0) - 8388608.0
+        mag = tl.minimum(r.to(tl.int32), MAX_CODE)
+        code = tl.where(bits < 0, (-mag) & 0xFF, mag)
     else:
-        mag = round_float_mag(sig, ue, NMANT, BIAS, MAX_CODE)
-    mag = tl.where(a == 0, 0, mag)
-    mag = tl.where(mag > MAX_CODE, MAX_CODE, mag)  # saturate
-    isinf = a == 0x7F800000
-    if SPECIALS == 0:  # noqa: SIM108 - a constexpr branch of Triton code
-        mag = tl.where(isinf, INF_CODE, mag)
-    else:
-        mag = tl.where(isinf, MAX_CODE, mag)
-    isnan = a > 0x7F800000
-    if SPECIALS == 0 or SPECIALS == 1:
-        mag = tl.where(isnan, NAN_CODE, mag)
-    else:
-        mag = tl.where(isnan, 0, mag)
-    if SPECIALS == 3:
-        code = tl.where(sign == 1, (-mag) & 0xFF, mag)
-        code = tl.where(isnan, 0, code)
-    else:
-        code = mag | (sign << (BITS - 1))
+        ey = tl.maximum((f32_to_bits(y) >> 23) - 127, 1 - BIAS)  # exponent of y's spacing
+        c = bits_to_f32((ey - NMANT + 150) << 23)
+        r = (y + c) - c
+        mag = tl.minimum(f32_to_bits(r * (2.0 ** (BIAS - 127))) >> (23 - NMANT), MAX_CODE)
+        code = mag | (((bits >> 31) & 1) << (BITS - 1))
     return code
 
 
@@ -269,27 +264,23 @@ def decode_element(
     BITS: tl.constexpr,
     SPECIALS: tl.constexpr,
 ):
-    """``ElementFormat.decode`` with integer operations: fp32 value of ``code`` (int32)."""
+    """``ElementFormat.decode``: fp32 value of ``code`` (int32). The magnitude bits shifted
+    into an fp32's place read as a value ``2^(127 - BIAS)`` too small (a subnormal code as an
+    fp32 subnormal), then scaled by that exact power of two."""
     if SPECIALS == 3:
         # exact: |code| <= 2^7, power-of-two factor
         val = sign_extend(code, BITS).to(tl.float32) * (2.0**-NMANT)
     else:
-        mag = code & ((1 << (NEXP + NMANT)) - 1)
-        sign = (code >> (NEXP + NMANT)) & 1
-        bexp = mag >> NMANT
-        man = mag & ((1 << NMANT) - 1)
-        normal = ((bexp - BIAS + 127) << 23) | (man << (23 - NMANT))
-        # subnormal: man * 2^(1 - BIAS - NMANT), normalised by the leading bit of man
-        lead = tl.maximum(floor_log2(man), 0)
-        sub = ((lead + 1 - BIAS - NMANT + 127) << 23) | ((man - (1 << lead)) << (23 - lead))
-        mbits = tl.where(bexp > 0, normal, tl.where(man > 0, sub, 0))
-        if SPECIALS == 0:
-            mbits = tl.where(bexp == (1 << NEXP) - 1, tl.where(man == 0, 0x7F800000, 0), mbits)
-        val = bits_to_f32(mbits | (sign << 31))
-        if SPECIALS == 0:
-            val = tl.where((bexp == (1 << NEXP) - 1) & (man != 0), float("nan"), val)
-        elif SPECIALS == 1:
-            val = tl.where(mag == (1 << (NEXP + NMANT)) - 1, float("nan"), val)
+        mag = code & ((1 << (BITS - 1)) - 1)
+        val = bits_to_f32(mag << (23 - NMANT)) * (2.0 ** (127 - BIAS))
+        sign = (code >> (BITS - 1)) << 31
+        val = bits_to_f32(f32_to_bits(val) | sign)
+        if SPECIALS == 0:  # IEEE: exponent all ones is Inf (mantissa 0) or NaN
+            inf = bits_to_f32(0x7F800000 | sign)
+            nan_or_inf = tl.where((mag & ((1 << NMANT) - 1)) == 0, inf, float("nan"))
+            val = tl.where((mag >> NMANT) == (1 << NEXP) - 1, nan_or_inf, val)
+        elif SPECIALS == 1:  # "fn": only the all-ones magnitude is NaN
+            val = tl.where(mag == (1 << (BITS - 1)) - 1, float("nan"), val)
     return val
 
 

@@ -3,11 +3,13 @@
 Reference: :class:`dynamiq.codecs.mx.MXCodec` (``_encode``, ``_decode``, and ``_reduce`` =
 ``_encode(_decode(payload) + local.float())``), wire layout in ``docs/formats.md``. Bit-exact
 with it: the shared exponent comes from the integer max of the magnitude bits (so NaN is never
-dropped by a float max), elements are rounded with integer operations
-(:func:`~dynamiq.kernels._common.encode_element`), decoding multiplies by an exact power of two.
+dropped by a float max), elements are rounded to nearest even by an exact fp32 add and
+subtract at the format's spacing (:func:`~dynamiq.kernels._common.encode_element`), decoding
+multiplies by exact powers of two.
 
-A program owns ``ROWS`` whole blocks of 32 values laid out ``[ROWS, 4, 8]`` (4 groups of 8
-codes; a block's codes fill ``4 * BITS`` whole bytes), so programs write disjoint bytes.
+A program owns ``ROWS`` whole blocks of 32 values, so programs write disjoint bytes: 8- and
+4-bit codes as rows ``[ROWS, 32]`` (:func:`_mx_rows_kernel`: wide loads and stores), 6-bit
+codes as ``[ROWS, 4, 8]`` groups of 8 codes (a block's codes fill ``4 * BITS`` whole bytes).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from ._stats import record_launch
 
 __all__ = ["decode", "encode", "reduce"]
 
-#: 8- and 4-bit elements take :func:`_mx_rows_kernel` (blocks as rows, fewer operations per value);
-#: False sends them through the general kernel (``benchmarks/gpu_check.py`` times both)
+#: 8- and 4-bit elements take :func:`_mx_rows_kernel` (blocks as rows); False sends them
+#: through the general kernel (``benchmarks/gpu_check.py`` times both)
 ROWS_PATH = True
 #: warps per program of the rows kernel (tuned on an H200 by ``benchmarks/gpu_check.py``)
 NUM_WARPS = 4
@@ -98,8 +100,6 @@ def _mx_encode_kernel(
     BITS: tl.constexpr,
     SPECIALS: tl.constexpr,
     MAX_CODE: tl.constexpr,
-    NAN_CODE: tl.constexpr,
-    INF_CODE: tl.constexpr,
     EMAX: tl.constexpr,
     ROWS: tl.constexpr,  # blocks per program
 ):
@@ -125,73 +125,12 @@ def _mx_encode_kernel(
     finite = amax < 0x7F800000
     shared = tl.minimum(tl.maximum(exponent_of(amax) - EMAX, -127), 127)
     scale_code = tl.where(finite, shared + 127, 0xFF)
-    codes = encode_element(
-        bits, shared[:, None, None], NMANT, BIAS, BITS, SPECIALS, MAX_CODE, NAN_CODE, INF_CODE
-    )
+    codes = encode_element(bits, shared[:, None, None], NMANT, BIAS, BITS, SPECIALS, MAX_CODE)
     codes = tl.where(finite[:, None, None], codes, 0)
 
     # -- store with mask: scale bytes, then the packed codes
     tl.store(out_ptr + blk, scale_code.to(tl.uint8), mask=bmask)
     store_codes(out_ptr + nblocks, codes, grp, gmask, elem, emask, nbytes, BITS)
-
-
-@triton.jit
-def _decode_fast(
-    code, NMANT: tl.constexpr, BIAS: tl.constexpr, BITS: tl.constexpr, SPECIALS: tl.constexpr
-):
-    """:func:`~dynamiq.kernels._common.decode_element` of 8- and 4-bit codes, in fewer operations:
-    the magnitude bits shifted into an fp32's place read as a value ``2^(127 - BIAS)`` too
-    small (a subnormal code as an fp32 subnormal), scaled by an exact power of two."""
-    if SPECIALS == 3:
-        val = tl.where(code >= 128, code - 256, code).to(tl.float32) * (2.0**-NMANT)
-    else:
-        mag = code & ((1 << (BITS - 1)) - 1)
-        val = bits_to_f32(mag << (23 - NMANT)) * (2.0 ** (127 - BIAS))
-        val = bits_to_f32(f32_to_bits(val) | ((code >> (BITS - 1)) << 31))
-        if SPECIALS == 0:  # IEEE: exponent all ones is Inf (mantissa 0) or NaN
-            special = (mag >> NMANT) == (0x7F >> NMANT)
-            inf = bits_to_f32(0x7F800000 | ((code & 0x80) << 24))
-            val = tl.where(
-                special, tl.where((mag & ((1 << NMANT) - 1)) == 0, inf, float("nan")), val
-            )
-        elif SPECIALS == 1:  # "fn": only 0x7f / 0xff is NaN
-            val = tl.where(mag == 0x7F, float("nan"), val)
-    return val
-
-
-@triton.jit
-def _encode_fast(
-    bits,
-    shared,
-    NMANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    BITS: tl.constexpr,
-    SPECIALS: tl.constexpr,
-    MAX_CODE: tl.constexpr,
-):
-    """:func:`~dynamiq.kernels._common.encode_element` of 8- and 4-bit codes in blocks without
-    NaN/Inf (the caller zeroes the codes of the others), in fewer operations. ``y = |x| *
-    2^-shared`` is exact (or below 2^-126, far under half the smallest subnormal code, so
-    0 either way); ``(y + c) - c`` with ``c = 2^(23 + q)`` rounds it to nearest even at the
-    format's spacing ``2^q`` there (``y < c``, and every fp32 in ``[c, 2c)`` is a multiple of
-    ``2^q``); the rounded value, an exact element value, times ``2^(BIAS - 127)`` is an fp32
-    whose bits are the code's (a subnormal code as an fp32 subnormal)."""
-    a = bits & 0x7FFFFFFF
-    # 2^-shared, shared in [-127, 127]: 2^-127 is an fp32 subnormal
-    inv = bits_to_f32(tl.where(shared == 127, 1 << 22, (127 - shared) << 23))
-    y = bits_to_f32(a) * inv
-    if SPECIALS == 3:
-        # ElementFormat._round_int: y * 2^NMANT < 2^22, to the nearest integer, ties to even
-        r = (y * (2.0**NMANT) + 8388608.0) - 8388608.0
-        mag = tl.minimum(r.to(tl.int32), MAX_CODE)
-        code = tl.where(bits < 0, (-mag) & 0xFF, mag)
-    else:
-        ey = tl.maximum((f32_to_bits(y) >> 23) - 127, 1 - BIAS)  # exponent of y's spacing
-        c = bits_to_f32((ey - NMANT + 150) << 23)
-        r = (y + c) - c
-        mag = tl.minimum(f32_to_bits(r * (2.0 ** (BIAS - 127))) >> (23 - NMANT), MAX_CODE)
-        code = mag | (((bits >> 31) & 1) << (BITS - 1))
-    return code
 
 
 @triton.jit
@@ -207,6 +146,7 @@ def _mx_rows_kernel(
     # meta-parameters
     FUSED: tl.constexpr,
     IN_KIND: tl.constexpr,
+    NEXP: tl.constexpr,
     NMANT: tl.constexpr,
     BIAS: tl.constexpr,
     BITS: tl.constexpr,  # 8 or 4
@@ -234,14 +174,14 @@ def _mx_rows_kernel(
         scale = _load_e8m0(in_ptr, blk, bmask)
         raw = tl.load(in_ptr + nblocks + boff, mask=bymask, other=0).to(tl.int32)
         code = unpack_rows(raw, ROWS, 32, BITS)
-        v = _decode_fast(code, NMANT, BIAS, BITS, SPECIALS) * scale[:, None] + v
+        v = decode_element(code, NEXP, NMANT, BIAS, BITS, SPECIALS) * scale[:, None] + v
     bits = f32_to_bits(v)
 
     # -- compute: shared exponent from the integer max of |v| bits (NaN > Inf > finite)
     amax = tl.max(tl.where(emask, bits & 0x7FFFFFFF, 0), axis=1)
     finite = amax < 0x7F800000
     shared = tl.minimum(tl.maximum(exponent_of(amax) - EMAX, -127), 127)
-    codes = _encode_fast(bits, shared[:, None], NMANT, BIAS, BITS, SPECIALS, MAX_CODE)
+    codes = encode_element(bits, shared[:, None], NMANT, BIAS, BITS, SPECIALS, MAX_CODE)
     codes = tl.where(finite[:, None] & emask, codes, 0)
 
     # -- store with mask: scale bytes, then the codes
@@ -314,9 +254,8 @@ def _encode_into(
         _mx_rows_kernel[grid](
             xv, out if incoming is None else incoming, out, n, nblocks,
             packed_nbytes(n, fmt.bits),
-            FUSED=incoming is not None, IN_KIND=kind, NMANT=fmt.nmant, BIAS=fmt.bias,
-            BITS=fmt.bits, SPECIALS=SPECIALS[fmt.specials], MAX_CODE=fmt.max_code,
-            EMAX=fmt.emax, ROWS=rows,
+            FUSED=incoming is not None, IN_KIND=kind, **_element_meta(codec),
+            MAX_CODE=fmt.max_code, EMAX=fmt.emax, ROWS=rows,
             enable_fp_fusion=False, num_warps=NUM_WARPS,
         )  # fmt: skip
         record_launch("_mx_rows_kernel")
@@ -325,8 +264,7 @@ def _encode_into(
         xv, out if incoming is None else incoming, out,
         n, nblocks, packed_nbytes(n, fmt.bits),
         FUSED=incoming is not None, IN_KIND=kind, **_element_meta(codec),
-        MAX_CODE=fmt.max_code, NAN_CODE=fmt.nan_code or 0, INF_CODE=fmt.inf_code or 0,
-        EMAX=fmt.emax, ROWS=rows, enable_fp_fusion=False,
+        MAX_CODE=fmt.max_code, EMAX=fmt.emax, ROWS=rows, enable_fp_fusion=False,
     )  # fmt: skip
     record_launch("_mx_encode_kernel")
     return out

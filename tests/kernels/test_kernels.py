@@ -180,16 +180,12 @@ def _element_probe() -> Any:
         BITS: tl.constexpr,
         SPECIALS: tl.constexpr,
         MAX_CODE: tl.constexpr,
-        NAN_CODE: tl.constexpr,
-        INF_CODE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
         bits = tl.load(x_ptr + offs, mask=m, other=0)
-        code = _common.encode_element(
-            bits, scale_exp, NMANT, BIAS, BITS, SPECIALS, MAX_CODE, NAN_CODE, INF_CODE
-        )
+        code = _common.encode_element(bits, scale_exp, NMANT, BIAS, BITS, SPECIALS, MAX_CODE)
         tl.store(code_ptr + offs, code, mask=m)
         mc = offs < ncodes
         c = tl.load(cin_ptr + offs, mask=mc, other=0)
@@ -203,22 +199,26 @@ def _element_probe() -> Any:
 @pytest.mark.parametrize("name", [n for n in ELEMENT_FORMATS if n != "float8_e8m0fnu"])
 def test_element_formats_match_reference(name: str) -> None:
     """Every code decodes like ``decode_table``; every bf16 value (as fp32) plus random fp32
-    bit patterns encode like ``ElementFormat.encode`` at several power-of-two scales."""
+    bit patterns encode like ``ElementFormat.encode`` at several power-of-two scales, those
+    within ``encode_element``'s domain: finite, ``|x| * 2^-scale_exp < 2^16`` (what a block
+    whose shared exponent comes from its maximum holds; 2^16 is above every format's range)."""
     fmt: ElementFormat = ELEMENT_FORMATS[name]
     g = torch.Generator().manual_seed(3)
     rand = torch.randint(-(2**31), 2**31 - 1, (20000,), generator=g, dtype=torch.int64)
-    x = torch.cat([(torch.arange(65536, dtype=torch.int32) << 16), rand.to(torch.int32)])
+    x_all = torch.cat([(torch.arange(65536, dtype=torch.int32) << 16), rand.to(torch.int32)])
     codes_in = torch.arange(1 << fmt.bits, dtype=torch.int32)
-    n = x.numel()
     for scale_exp in (0, -127, 5, 100):
+        y = x_all.view(torch.float32).double().abs() * 2.0**-scale_exp
+        x = x_all[y.isfinite() & (y < 2.0**16)]
+        assert x.numel() > 1000, "the sweep lost its inputs"
+        n = x.numel()
         code = torch.empty(n, dtype=torch.int32, device=DEVICE)
         dec = torch.empty(codes_in.numel(), dtype=torch.float32, device=DEVICE)
         with K._kernel_scope(torch.device(DEVICE)):
             _element_probe()[(triton.cdiv(n, 8192),)](
                 x.to(DEVICE), code, dec, codes_in.to(DEVICE), n, codes_in.numel(), scale_exp,
                 NEXP=fmt.nexp, NMANT=fmt.nmant, BIAS=fmt.bias, BITS=fmt.bits,
-                SPECIALS=_common.SPECIALS[fmt.specials], MAX_CODE=fmt.max_code,
-                NAN_CODE=fmt.nan_code or 0, INF_CODE=fmt.inf_code or 0, BLOCK=8192,
+                SPECIALS=_common.SPECIALS[fmt.specials], MAX_CODE=fmt.max_code, BLOCK=8192,
             )  # fmt: skip
         want = fmt.encode(x.view(torch.float32), scale_exp, saturate=True)
         assert torch.equal(code.cpu().to(torch.uint8), want), f"{name} encode, scale 2^{scale_exp}"
