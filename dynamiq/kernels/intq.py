@@ -8,17 +8,21 @@ with it:
 * the scale: the reference rounds ``absmax / qmax`` up to the scale format in fp64 and fixes
   the fp64 rounding up with ``s * qmax < absmax``. That equals the smallest value ``S`` of the
   scale format with ``S * qmax >= absmax`` exactly (fp64 rounding is monotone and no fp64
-  number lies strictly between ``fl64(r)`` and ``r``), which :func:`_int_scale` computes with
-  integer arithmetic on the fp32 bits of the absmax: ``S = ceil(r / 2^g) * 2^g`` with ``2^g``
-  the format's spacing at ``r = absmax / qmax``;
+  number lies strictly between ``fl64(r)`` and ``r``), which :func:`_int_scale` computes:
+  for bf16 scales by truncating ``fl32(absmax / qmax)`` to bf16 and stepping up once where
+  ``T * qmax < absmax`` (:func:`_bf16_int_scale`), for the others with integer arithmetic on
+  the fp32 bits of the absmax, ``S = ceil(r / 2^g) * 2^g`` with ``2^g`` the format's spacing
+  at ``r = absmax / qmax`` (:func:`_int_scale_bits`);
 * ``q = fl32(x / S)`` with ``div_rn`` (round to nearest, as torch divides), codes by
-  ``torch.round`` (ties to even) or ``floor(q) + [u < q - floor(q)]`` with ``u`` from the
-  counter hash, both with integer operations;
+  ``torch.round`` (ties to even: ``(q + 1.5 * 2^23) - 1.5 * 2^23``) or ``floor(q) + [u < q -
+  floor(q)]`` with ``u`` from the counter hash (integer operations);
 * the absmax is the integer max of the magnitude bits, so NaN/Inf are never dropped;
 * a block beyond ``max_input_abs`` sets an error word; the launcher raises the reference's
   ``ValueError``.
 
-Layout: a program owns ``ROWS`` tiles of ``L`` whole blocks, ``L = 8 / gcd(block_size, 8)``,
+Layout: 8- and 4-bit codes in power-of-two blocks take :func:`_int_rows_kernel`, one block
+per row ``[ROWS, block_size]`` (wide loads and stores). Otherwise a program owns ``ROWS`` tiles
+of ``L`` whole blocks, ``L = 8 / gcd(block_size, 8)``,
 so a tile holds a multiple of 8 codes (whole bytes: programs write disjoint bytes), laid out
 ``[ROWS, G, 8]`` (``G`` groups of 8 codes, padded to a power of two). Tiles of more than
 ``MAX_TILE`` values (huge blocks) take two kernels instead: one pass per block for its scale,
@@ -92,7 +96,26 @@ def _int_scale(
     scale format, absmax > max_input_abs)``. ``S`` is the smallest value of the format (``P``
     significant bits, smallest positive value ``2^GMIN``) with ``S * QMAX >= absmax``; 0 for
     an all-zero block (E8M0: 2^-127); NaN when the block holds NaN/Inf. ``KQ = floor(log2
-    QMAX)``."""
+    QMAX)``. bf16 (the default) with float operations, the others with integer ones."""
+    if FMT == 0:
+        scale, stored, over = _bf16_int_scale(a, QMAX, MAX_IN_BITS)
+    else:
+        scale, stored, over = _int_scale_bits(a, QMAX, KQ, P, GMIN, FMT, MAX_IN_BITS)
+    return scale, stored, over
+
+
+@triton.jit
+def _int_scale_bits(
+    a,
+    QMAX: tl.constexpr,
+    KQ: tl.constexpr,
+    P: tl.constexpr,
+    GMIN: tl.constexpr,
+    FMT: tl.constexpr,
+    MAX_IN_BITS: tl.constexpr,
+):
+    """:func:`_int_scale` of the fp16, fp32 and E8M0 scale formats, in integer arithmetic on
+    the fp32 bits of the absmax (the module docstring says why it is exact)."""
     finite = a < 0x7F800000
     # absmax = m24 * 2^e2 exactly, m24 < 2^24
     ef = a >> 23
@@ -117,9 +140,7 @@ def _int_scale(
     if FMT == 3:
         f32 = tl.where(a == 0, 1 << 22, f32)  # E8M0 has no zero: 2^-127
     # the stored bits
-    if FMT == 0:
-        stored = tl.where(finite, f32 >> 16, NAN_BF16)
-    elif FMT == 1:
+    if FMT == 1:
         man10 = (((n << 10) >> ln) & 0x3FF).to(tl.int32)
         sub16 = (n << tl.minimum(tl.maximum(ge + 24, 0), 31)).to(tl.int32)
         h = tl.where(ed >= -14, ((ed + 15) << 10) | man10, sub16)
@@ -374,10 +395,7 @@ def _int_rows_kernel(
 
     # -- compute: per-block absmax (integer max of |v| bits: NaN > Inf > finite), the scale
     amax = tl.max(tl.where(emask, f32_to_bits(v) & 0x7FFFFFFF, 0), axis=1)
-    if FMT == 0:
-        s, stored, over = _bf16_int_scale(amax, QMAX, MAX_IN_BITS)
-    else:
-        s, stored, over = _int_scale(amax, QMAX, KQ, P, GMIN, FMT, MAX_IN_BITS)
+    s, stored, over = _int_scale(amax, QMAX, KQ, P, GMIN, FMT, MAX_IN_BITS)
     worst = tl.max(tl.where(over & bmask, amax, 0), axis=0)
     tl.atomic_max(err_ptr, worst, mask=worst > 0)
     codes = _int_codes(v, s[:, None], elem, offset, key0, key1, STOCHASTIC)
