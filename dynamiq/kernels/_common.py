@@ -8,12 +8,14 @@ reference in :mod:`dynamiq.codecs` bit for bit:
 * float bit patterns: fp32 <-> int32 by bitcast, bf16 by 16-bit shifts, fp16 by integer
   operations, NaN written as the canonical quiet NaN of each format;
 * element formats (:class:`dynamiq.codecs.formats.ElementFormat`): encode (round to nearest,
-  ties to even, on the fp32 bit pattern with integer operations) and decode, never through a
-  Triton fp8 cast;
-* dense LSB-first bit packing (:mod:`dynamiq.codecs.packing`) of a ``[R, G, 8]`` tile of codes:
-  group ``g`` of 8 consecutive codes occupies ``BITS`` consecutive bytes.
+  ties to even, by an exact fp32 add and subtract at the format's spacing) and decode (exact
+  powers of two), never through a Triton fp8 cast;
+* dense LSB-first bit packing (:mod:`dynamiq.codecs.packing`) of a ``[R, G, 8]`` tile of codes
+  (group ``g`` of 8 consecutive codes occupies ``BITS`` consecutive bytes), and of ``[R, B]``
+  rows of 8- or 4-bit codes (the rows kernels).
 
-Tiles are 3-D ``[R, G, 8]``: ``R`` rows, each row ``G`` groups of 8 consecutive elements.
+Tiles are 3-D ``[R, G, 8]``: ``R`` rows, each row ``G`` groups of 8 consecutive elements; the
+rows kernels' are 2-D ``[R, B]``, one block a row.
 
 Importing this module imports Triton; only :mod:`dynamiq.kernels` imports it, lazily.
 """
