@@ -1,4 +1,4 @@
-"""Does ``torch.compile`` make the CPU reference faster, bit for bit? (DESIGN.md, "Kernels").
+"""Does ``torch.compile`` make the CPU reference faster, bit for bit? (docs/design.md, "Kernels").
 
 For a few codecs: compile cost, bit-exactness of the compiled reference against the plain one
 (random and edge-case inputs, a block remainder), and the time of both (interleaved, minimum

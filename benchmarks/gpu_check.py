@@ -1,4 +1,5 @@
-"""GPU check of the Triton kernels: bit-exactness, then fused-reduce speed (DESIGN.md, "Measures").
+"""GPU check of the Triton kernels: bit-exactness, then fused-reduce speed (docs/design.md,
+"Measures").
 
 Needs only this checkout, torch, Triton >= 3.6 and a CUDA GPU (no network). For every codec with
 kernels it

@@ -1,5 +1,5 @@
-"""Every code block of the user guide and the READMEs runs, so the docs cannot rot (STYLE.md
-item 11).
+"""Every code block of the user guide and the READMEs runs, so the docs cannot rot (docs/design.md,
+"House style", item 11).
 
 Fenced blocks are checked by their language and by an optional ``<!-- run: SPEC -->`` comment
 on the line before the fence:

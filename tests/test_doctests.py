@@ -1,4 +1,4 @@
-"""The package's docstring examples run (STYLE.md item 11)."""
+"""The package's docstring examples run (docs/design.md, "House style", item 11)."""
 
 from __future__ import annotations
 

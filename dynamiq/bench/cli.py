@@ -1,4 +1,4 @@
-"""The ``dynamiq`` command line (DESIGN.md, "CLI").
+"""The ``dynamiq`` command line (docs/design.md, "CLI").
 
 ``dynamiq codecs`` prints the codec table (id, bits/value, bound formula, unbiased);
 ``dynamiq demo`` prints it and measures every codec on the committed slice of real gradients.

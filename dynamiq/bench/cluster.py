@@ -1,5 +1,5 @@
 """``dynamiq bench cluster``: all-reduce time on an emulated bandwidth-limited cluster
-(DESIGN.md, "Measures": cluster speed is a ratio in one run).
+(docs/design.md, "Measures": cluster speed is a ratio in one run).
 
 ``N`` ranks, each a process in its own network namespace (:class:`~dynamiq.bench.netns.
 EmulatedCluster`), joined by a bridge through links shaped with ``tc`` to one rate in each

@@ -4,7 +4,7 @@ gradients, through the same engine that runs over torch.distributed (in-process 
 vNMSE = ‖x̂ - x‖² / ‖x‖² with x the fp64 sum of the workers' gradients, reported as the median
 (and max) over seeds; a seed permutes which worker's gradient each rank holds (so the ring
 order changes) and seeds stochastic rounding. bits/value counts every byte a rank sends
-(payloads and length headers) over the values those transfers carry (DESIGN.md, "Measures").
+(payloads and length headers) over the values those transfers carry (docs/design.md, "Measures").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """``dynamiq bench kernels``: the fused ``reduce`` against the unfused path and the memory
-roofline, as ratios measured in one run (DESIGN.md, "Measures").
+roofline, as ratios measured in one run (docs/design.md, "Measures").
 
 For each codec, on one device: (a) the fused ``reduce`` through the dispatcher on
 ``backend`` (``"auto"``: Triton on CUDA; on the CPU the native CPU kernels of the INT and MX

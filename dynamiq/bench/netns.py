@@ -1,4 +1,4 @@
-"""An emulated bandwidth-limited cluster on one Linux machine (DESIGN.md, "Measures").
+"""An emulated bandwidth-limited cluster on one Linux machine (docs/design.md, "Measures").
 
 :class:`EmulatedCluster` gives each of ``n`` ranks its own network namespace with one
 interface, joined through a bridge, and shapes every link with ``tc`` to a set rate (and

@@ -12,7 +12,7 @@ all-reduce *method*:
   dynamiq DDP hook (:func:`dynamiq.ddp.dynamiq_hook`, ring schedule, error feedback on unless
   ``error_feedback=False``).
 
-What is measured (DESIGN.md, "Measures"):
+What is measured (docs/design.md, "Measures"):
 
 1. **Convergence**, in one process with each method's exact numerics: one model replica (all
    workers hold identical weights after every step), each worker's gradient from its own

@@ -1,7 +1,7 @@
 """Codecs: number formats for gradients, each with a certified error bound.
 
-``get_codec("mxfp8_e4m3")``, ``list_codecs()``, ``register_codec(cls)``; see DESIGN.md,
-"Contracts / Codec".
+``get_codec("mxfp8_e4m3")``, ``list_codecs()``, ``register_codec(cls)``; see docs/design.md,
+"The codec contract".
 """
 
 from .base import Codec, ErrorBound, HopContext

@@ -1,6 +1,6 @@
 """The codec contract: :class:`Codec`, :class:`HopContext` and :class:`ErrorBound`.
 
-Implements DESIGN.md, "Contracts / Codec" and "Error bounds". A codec is an immutable,
+Implements docs/design.md, "The codec contract" and "Error bounds". A codec is an immutable,
 keyword-only value object whose configuration is its declared dataclass fields. The public
 methods (:meth:`Codec.encode`, :meth:`Codec.decode`, :meth:`Codec.reduce`) validate their
 arguments and then go through the kernel dispatcher (:mod:`dynamiq.kernels`, backend

@@ -1,4 +1,4 @@
-"""The DynamiQ codec (spec/dynamiq-codec.md): partial-sum-aware quantization for multi-hop
+"""The DynamiQ codec (docs/design.md, "Codec sources"): partial-sum-aware quantization for multi-hop
 all-reduce.
 
 Wire unit: a **span** of ``span`` values (the codec's ``block_size``, aligned to global

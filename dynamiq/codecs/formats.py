@@ -1,4 +1,5 @@
-"""Element formats as data (STYLE.md items 1-2; spec/baselines.md, "OCP Microscaling").
+"""Element formats as data (docs/design.md, "House style", items 1-2, and
+"Codec sources").
 
 An :class:`ElementFormat` is one frozen record ``(name, nexp, nmant, bias, specials)`` with
 finfo-style metadata (``bits, nexp, nmant, max, tiny, smallest_subnormal, eps``). Encoding

@@ -1,4 +1,5 @@
-"""Counter-based hash for stochastic and correlated rounding (DESIGN.md, "Randomness").
+"""Counter-based hash for stochastic and correlated rounding (docs/design.md,
+"Randomness and determinism").
 
 Every random number a codec draws is a pure function of ``(seed, step, hop, rank, global element
 index)``: no ``torch.rand``, no global RNG state, so every rank, the reference and the kernels

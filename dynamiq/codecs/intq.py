@@ -1,5 +1,5 @@
-"""Dynamic-range block INT codecs ``int2`` ... ``int8`` (spec/baselines.md, "Dynamic-range
-block INT").
+"""Dynamic-range block INT codecs ``int2`` ... ``int8`` (docs/design.md, "Codec
+sources"; docs/codecs.md).
 
 Each block of ``block_size`` values shares one scale ``S``: the smallest value of the scale
 format that is >= ``absmax / qmax`` (``qmax = 2^(bits-1) - 1``), so ``|x| / S <= qmax`` always

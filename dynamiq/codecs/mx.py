@@ -1,4 +1,4 @@
-"""OCP Microscaling (MX v1.0) codecs (spec/baselines.md, "OCP Microscaling").
+"""OCP Microscaling (MX v1.0) codecs (docs/design.md, "Codec sources").
 
 An MX codec is data: "a block of 32 elements of format F sharing one ``float8_e8m0fnu`` scale".
 Encoding a block follows the OCP reference conversion: ``amax = max|v|``; shared exponent

@@ -1,4 +1,5 @@
-"""OmniReduce (SIGCOMM 2021) as the codec ``omnireduce`` (spec/baselines.md, "OmniReduce").
+"""OmniReduce (SIGCOMM 2021) as the codec ``omnireduce`` (docs/design.md,
+"Codec sources").
 
 Values are cut into blocks of ``block_size`` (a power of two; the last block may be short).
 A payload is a bitmap of the blocks it carries and their values; blocks it does not carry

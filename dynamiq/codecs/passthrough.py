@@ -1,4 +1,4 @@
-"""Pass-through codecs ``fp32``, ``bf16`` and ``fp16`` (DESIGN.md, "Codecs").
+"""Pass-through codecs ``fp32``, ``bf16`` and ``fp16`` (docs/design.md, "Codec sources").
 
 Wire format: the values in the named IEEE format, little-endian, nothing else. ``bf16`` and
 ``fp16`` round to nearest-even; finite values beyond the format's largest value saturate to it

@@ -1,4 +1,5 @@
-"""The codec registry: a dict, three functions and one entry-point group (STYLE.md item 4).
+"""The codec registry: a dict, three functions and one entry-point group (docs/design.md,
+"House style", item 4).
 
 Built-in codecs register with the :func:`register_codec` decorator. Third-party packages add
 codecs through the entry-point group ``dynamiq.codecs``; entry points are loaded lazily, on the

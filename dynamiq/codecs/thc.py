@@ -1,5 +1,5 @@
-"""THC, Tensor Homomorphic Compression (NSDI 2024), as the codec ``thc`` (spec/baselines.md,
-"THC").
+"""THC, Tensor Homomorphic Compression (NSDI 2024), as the codec ``thc`` (docs/design.md,
+"Codec sources").
 
 Recipe, per block of ``d = block_size`` values (a power of two, default 16384; a short last
 block of ``r`` values is zero-padded to the next power of two ``d_r >= r``):

@@ -1,6 +1,6 @@
 """Kernel dispatch: Triton kernels where they can run, the codec's PyTorch reference elsewhere.
 
-Implements DESIGN.md, "Kernels". :func:`encode`, :func:`decode` and :func:`reduce` take a
+Implements docs/design.md, "Kernels". :func:`encode`, :func:`decode` and :func:`reduce` take a
 ``backend``:
 
 * ``"reference"``: the codec's own ``_encode`` / ``_decode`` / ``_reduce`` (pure PyTorch, any

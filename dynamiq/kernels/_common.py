@@ -1,4 +1,4 @@
-"""Triton helpers shared by the kernel families (DESIGN.md, "Kernels").
+"""Triton helpers shared by the kernel families (docs/design.md, "Kernels").
 
 Everything here is a ``@triton.jit`` device function that mirrors one piece of the PyTorch
 reference in :mod:`dynamiq.codecs` bit for bit:

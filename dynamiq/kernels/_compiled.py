@@ -1,6 +1,6 @@
 """The CPU fast path: the codecs' PyTorch references through ``torch.compile`` (opt-in).
 
-The reference is what runs on the CPU (DESIGN.md, "Kernels"). Compiled by Inductor it is the
+The reference is what runs on the CPU (docs/design.md, "Kernels"). Compiled by Inductor it is the
 same computation (bit-exact: the same integer operations, one IEEE division, no contraction)
 in a few fused C++ loops instead of dozens of full-tensor passes; on a 2-core machine that
 measured 8-14x faster for 1M-value ``int8`` / ``mxfp8_e4m3`` encodes (see

@@ -1,4 +1,4 @@
-"""The CPU fast path: native kernels of the built-in codecs but THC and OmniReduce (DESIGN.md,
+"""The CPU fast path: native kernels of the built-in codecs but THC and OmniReduce (docs/design.md,
 "Kernels").
 
 The codecs' PyTorch references make dozens of full-tensor passes; on the CPU this module runs

@@ -1,4 +1,5 @@
-"""The codec conformance kit (STYLE.md item 5): one set of checks for every codec.
+"""The codec conformance kit (docs/design.md, "House style", item 5): one set of checks for
+every codec.
 
 Plugin authors run it on their own codecs::
 

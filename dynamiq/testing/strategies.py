@@ -1,4 +1,5 @@
-"""Hypothesis strategies for codec inputs and hop contexts (STYLE.md item 6).
+"""Hypothesis strategies for codec inputs and hop contexts (docs/design.md, "House
+style", item 6).
 
 All strategies live here. Profiles ``dev`` (fast), ``ci`` (default of ``make test``) and
 ``thorough`` are registered on import; pick one with ``HYPOTHESIS_PROFILE``.

@@ -1,5 +1,5 @@
 """The native CPU kernels (``dynamiq.kernels.cpu_native``) against the PyTorch references, bit
-for bit (STYLE.md item 7).
+for bit (docs/design.md, "House style", item 7).
 
 Every test computes the plain reference (the codec's own ``_encode`` / ``_decode`` /
 ``_reduce``) beside the native kernel (``backend="cpu"``, forced, so a kernel that cannot be

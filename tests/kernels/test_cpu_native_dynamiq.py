@@ -1,5 +1,6 @@
 """The DynamiQ codec's native CPU kernel (``dynamiq.kernels.cpu_native``,
-``csrc/dynamiq_kernels.cpp``) against its PyTorch reference, bit for bit (STYLE.md item 7).
+``csrc/dynamiq_kernels.cpp``) against its PyTorch reference, bit for bit (docs/design.md,
+"House style", item 7).
 
 Every check computes the plain reference (``backend="reference"``: the codec's ``_encode`` /
 ``_decode`` / ``_reduce``) beside the native kernel (``backend="cpu"``, forced, so a kernel that

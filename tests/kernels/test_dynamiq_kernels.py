@@ -1,4 +1,5 @@
-"""The DynamiQ codec's Triton kernels against its PyTorch reference, bit for bit (STYLE.md 7).
+"""The DynamiQ codec's Triton kernels against its PyTorch reference, bit for bit (docs/design.md,
+"House style", item 7).
 
 Every test computes the reference (``backend="reference"``) beside the kernel
 (``backend="triton"``, forced) on the same device and compares payload bytes, or the int32

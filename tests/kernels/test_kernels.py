@@ -1,4 +1,5 @@
-"""Triton kernels against their PyTorch references, bit for bit (STYLE.md item 7).
+"""Triton kernels against their PyTorch references, bit for bit (docs/design.md,
+"House style", item 7).
 
 Every test computes the reference (the codec's ``_encode``/``_decode``/``_reduce`` through
 ``backend="reference"``) beside the kernel (``backend="triton"``, forced) on the same device,

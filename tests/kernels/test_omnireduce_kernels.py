@@ -1,4 +1,5 @@
-"""The OmniReduce codec's Triton kernels against its PyTorch reference, bit for bit (STYLE.md 7).
+"""The OmniReduce codec's Triton kernels against its PyTorch reference, bit for bit (docs/design.md,
+"House style", item 7).
 
 Every test computes the reference (``backend="reference"``) beside the kernels
 (``backend="triton"``, forced) on the same device, with a proof that the kernel writing the
