@@ -102,14 +102,15 @@ def _reset_entry_points() -> None:
 def get_codec(name_or_config: str | Mapping[str, Any] | Codec) -> Codec:
     """A codec from its id, a preset name, a config mapping (or JSON string), or a codec.
 
-    Raises :class:`UnknownCodecError` (a ``ValueError``) listing the known ids on a miss.
+    Raises :class:`UnknownCodecError` (a ``ValueError``) listing the known ids on a miss, and
+    a ``ValueError`` naming the line, column and character of a malformed JSON string.
     """
     if isinstance(name_or_config, Codec):
         return name_or_config
     if isinstance(name_or_config, str):
         text = name_or_config.strip()
         if text.startswith("{"):
-            config: Mapping[str, Any] = json.loads(text)
+            config: Mapping[str, Any] = _parse_json_config(text)
         else:
             config = {"id": text}
     elif isinstance(name_or_config, Mapping):
@@ -122,6 +123,8 @@ def get_codec(name_or_config: str | Mapping[str, Any] | Codec) -> Codec:
     if "id" not in config:
         raise ValueError(f"codec config must have an 'id' key (got keys {sorted(config)})")
     name = config["id"]
+    if not isinstance(name, str):
+        raise TypeError(f"codec id must be a string (got {type(name).__name__} {name!r})")
     if name not in _REGISTRY:
         _load_entry_points()
     if name in _BROKEN:
@@ -133,6 +136,20 @@ def get_codec(name_or_config: str | Mapping[str, Any] | Codec) -> Codec:
     cls, preset = _REGISTRY[name]
     params = {k: v for k, v in config.items() if k != "id"}
     return cls.from_config({**preset, **params})
+
+
+def _parse_json_config(text: str) -> Mapping[str, Any]:
+    """A codec config from a JSON object; a ``ValueError`` naming the position otherwise."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"codec config is not valid JSON: {exc.msg} at line {exc.lineno}, column "
+            f"{exc.colno} (character {exc.pos}), before {text[exc.pos : exc.pos + 24]!r}"
+        ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"codec config must be a JSON object (got {type(config).__name__})")
+    return config
 
 
 def list_codecs(*, all_names: bool = False) -> list[str]:

@@ -202,3 +202,27 @@ def test_public_names() -> None:
         "Codec",
     ):
         assert hasattr(codecs, name)
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        ('{"id": "int" "bits": 4}', "line 1, column 14 (character 13)"),  # a missing comma
+        ('{"id": "int",\n "bits": }', "line 2, column 10 (character 23)"),  # a missing value
+        ('{"id": "int"', "line 1, column 13 (character 12)"),  # unterminated
+    ],
+)
+def test_malformed_json_config_names_the_position(text: str, where: str) -> None:
+    with pytest.raises(ValueError, match="not valid JSON") as info:
+        get_codec(text)
+    assert where in str(info.value)
+    assert not isinstance(info.value, json.JSONDecodeError)  # our message, not the parser's
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_config_that_is_not_an_object_or_has_a_bad_id() -> None:
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        reg._parse_json_config("[1]")
+    with pytest.raises(TypeError, match="codec id must be a string"):
+        get_codec({"id": ["int"]})
+    assert get_codec(' {"id": "int", "bits": 4} ') == get_codec("int4")
