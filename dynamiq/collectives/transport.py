@@ -1,10 +1,14 @@
-"""Transports: one method per verb, a torch.distributed one and an in-process fake (STYLE.md 10).
+"""Transports: one method per verb, a torch.distributed one and an in-process fake.
 
 A :class:`Transport` moves tensors between the ranks of one collective: ``isend`` and
 ``irecv`` return a :class:`Work` whose ``wait(timeout)`` completes the transfer or raises
-:class:`PeerTimeoutError` naming the peer. The engine never touches ``torch.distributed``
-directly, so the same schedule code runs over gloo, NCCL and the in-process
-:class:`LocalTransport` (N ranks as N threads of one process).
+:class:`PeerTimeoutError` naming the peer; ``close()`` ends its use (later transfers raise).
+The engine never touches ``torch.distributed`` directly, so the same schedule code runs over
+gloo, NCCL and the in-process :class:`LocalTransport` (N ranks as N threads of one process).
+
+A transport that lives across many collectives (a DDP hook's) may also remember the
+configurations its ranks have agreed on (:class:`RemembersAgreements`), so the engine's
+handshake runs once per configuration instead of at every call.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -22,8 +26,10 @@ __all__ = [
     "LocalCluster",
     "LocalTransport",
     "PeerTimeoutError",
+    "RemembersAgreements",
     "TorchDistTransport",
     "Transport",
+    "TransportClosedError",
     "Work",
 ]
 
@@ -49,6 +55,28 @@ class Transport(Protocol):
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
         """Start receiving into ``tensor`` (its size is the message's size) from ``src``."""
         ...
+
+    def close(self) -> None:
+        """End this rank's use of the transport: later ``isend``/``irecv`` raise. Idempotent;
+        transfers already started are not cancelled (wait on them first)."""
+        ...
+
+
+@runtime_checkable
+class RemembersAgreements(Protocol):
+    """A transport whose ranks keep the configurations they agreed on (see
+    :func:`dynamiq.collectives.handshake.agree`): ``agreed`` holds their descriptors."""
+
+    agreed: set[bytes]
+
+
+class TransportClosedError(RuntimeError):
+    """A transfer was started on a transport after its ``close()``."""
+
+
+def _check_open(closed: bool, rank: int, verb: str) -> None:
+    if closed:
+        raise TransportClosedError(f"rank {rank}: {verb} on a closed transport")
 
 
 class _Done:
@@ -106,13 +134,20 @@ class LocalTransport:
         self.cluster = cluster
         self.rank = rank
         self.world_size = cluster.world_size
+        self.closed = False
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        _check_open(self.closed, self.rank, "isend")
         self.cluster.boxes[(self.rank, dst)].put(tensor.detach().clone())
         return _Done()
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        _check_open(self.closed, self.rank, "irecv")
         return _LocalRecv(self.cluster, tensor, src, self.rank)
+
+    def close(self) -> None:
+        """Later transfers raise; messages already sent stay in the peers' mailboxes."""
+        self.closed = True
 
 
 class _DistWork:
@@ -137,7 +172,9 @@ class TorchDistTransport:
     """Point-to-point over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
     ``group`` is a process group (default: the world); ranks of the collective are group
-    ranks, mapped to global ranks for the P2P calls.
+    ranks, mapped to global ranks for the P2P calls. It remembers the configurations its
+    ranks agreed on (``agreed``, see :class:`RemembersAgreements`). ``close()`` ends its use;
+    the process group stays (it belongs to whoever created it).
     """
 
     def __init__(self, group: Any = None):
@@ -150,8 +187,9 @@ class TorchDistTransport:
             )
         self.dist = dist
         self.group = group
-        #: configurations already agreed on by every rank (see ``engine.agree``)
+        #: configurations already agreed on by every rank (see ``handshake.agree``)
         self.agreed: set[bytes] = set()
+        self.closed = False
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._global: Sequence[int] = (
@@ -161,12 +199,19 @@ class TorchDistTransport:
         )
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        _check_open(self.closed, self.rank, "isend")
         work = self.dist.isend(tensor, dst=self._global[dst], group=self.group)
         return _DistWork(work, dst, self.rank, "send to")
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        _check_open(self.closed, self.rank, "irecv")
         work = self.dist.irecv(tensor, src=self._global[src], group=self.group)
         return _DistWork(work, src, self.rank, "receive from")
+
+    def close(self) -> None:
+        """Later transfers raise; the agreed configurations are forgotten."""
+        self.closed = True
+        self.agreed.clear()
 
 
 def run_threads(world_size: int, fn: Any, on_error: Any = None) -> list[Any]:

@@ -1,0 +1,194 @@
+"""What happens before a collective's first transfer: the ranks agree on its configuration,
+then a codec's prologue runs (docs/collectives.md, "The engine").
+
+**Agreement.** Rank 0 gathers every rank's descriptor (a JSON object: wire version, codec
+config, schedule digest, sizes, ...) and sends every rank the verdict, so a mismatch raises
+:class:`ConfigMismatchError` on every rank, naming the fields and the ranks. Each message is
+an int64 length, then that many bytes of UTF-8 JSON.
+
+**Prologues.** A codec may define ``prologue(x, comm) -> dict | None``: a collective step it
+needs before encoding (THC agrees on one scale per rotation block, OmniReduce on a global
+threshold). ``x`` is the rank's whole buffer (its element ``i`` at global index ``i``);
+``comm`` is a :class:`Communicator`; the returned dict reaches every encoding and decoding as
+``HopContext.shared``. :func:`run_prologue` runs it with any communicator, so a custom
+collective can run THC or OmniReduce exactly as the engine does; :class:`PrologueComm` is the
+engine's communicator over a :class:`~dynamiq.collectives.transport.Transport`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+import torch
+
+from dynamiq.codecs import Codec
+
+from .transport import Transport, Work
+
+__all__ = [
+    "WIRE_VERSION",
+    "Communicator",
+    "ConfigMismatchError",
+    "PrologueComm",
+    "agree",
+    "describe_difference",
+    "run_prologue",
+]
+
+#: Version of the engine's wire protocol (message order, headers); ranks must agree on it.
+WIRE_VERSION = 1
+
+#: Largest handshake message accepted (bytes): anything larger is a malformed peer.
+_MAX_BLOB = 1 << 24
+
+
+class ConfigMismatchError(ValueError):
+    """Ranks disagree on the collective's configuration (codec, schedule, sizes, version)."""
+
+
+# -- prologues ----------------------------------------------------------------------------------
+
+
+class Communicator(Protocol):
+    """What a codec's ``prologue(x, comm)`` may use: this rank's place, and an all-gather.
+
+    ``allgather(tensor)`` is collective: every rank calls it, in the same order, with a tensor
+    of the same shape and dtype; it returns every rank's tensor, indexed by rank (this rank's
+    own at ``rank``).
+    """
+
+    rank: int
+    world_size: int
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
+
+
+def run_prologue(codec: Codec, x: torch.Tensor, comm: Communicator) -> dict[str, Any] | None:
+    """Run ``codec``'s prologue on this rank's whole buffer ``x`` with ``comm``; return what
+    every encoding needs as ``HopContext.shared`` (``None`` when the codec has no prologue).
+
+    Collective: every rank calls it with the same codec and a buffer of the same size, before
+    any encoding; the result is the same on every rank."""
+    prologue = getattr(codec, "prologue", None)  # optional part of the codec contract
+    if not callable(prologue):
+        return None
+    shared = prologue(x, comm)
+    if shared is not None and not isinstance(shared, dict):
+        raise TypeError(
+            f"{type(codec).__name__}.prologue returned {type(shared).__name__}, not a dict or None"
+        )
+    return shared
+
+
+class PrologueComm:
+    """A :class:`Communicator` over a :class:`~dynamiq.collectives.transport.Transport`:
+    the all-gather is a send to and a receive from every other rank; its bytes are counted in
+    ``bytes_sent`` and ``bytes_received``. Every wait on a peer is bounded by ``timeout``."""
+
+    def __init__(self, transport: Transport, timeout: float):
+        self.transport = transport
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.timeout = timeout
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape and dtype everywhere), indexed by rank."""
+        t = tensor.detach().contiguous()
+        nbytes = t.numel() * t.element_size()
+        out = [t if r == self.rank else torch.empty_like(t) for r in range(self.world_size)]
+        recvs = [self.transport.irecv(out[r], r) for r in range(self.world_size) if r != self.rank]
+        sends = [self.transport.isend(t, r) for r in range(self.world_size) if r != self.rank]
+        for w in recvs + sends:
+            w.wait(self.timeout)
+        self.bytes_sent += nbytes * (self.world_size - 1)
+        self.bytes_received += nbytes * (self.world_size - 1)
+        return out
+
+
+# -- agreement ----------------------------------------------------------------------------------
+
+
+def _send_blob(transport: Transport, blob: bytes, dst: int, device: torch.device) -> list[Work]:
+    data = (
+        torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        if blob
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    return [
+        transport.isend(torch.tensor([len(blob)], dtype=torch.int64, device=device), dst),
+        transport.isend(data.to(device), dst),
+    ]
+
+
+def _recv_blob(transport: Transport, src: int, timeout: float, device: torch.device) -> bytes:
+    hdr = torch.empty(1, dtype=torch.int64, device=device)
+    transport.irecv(hdr, src).wait(timeout)
+    size = int(hdr[0])
+    if not 0 <= size <= _MAX_BLOB:
+        raise ConfigMismatchError(f"rank {transport.rank}: malformed handshake from {src}")
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    transport.irecv(buf, src).wait(timeout)
+    return bytes(buf.cpu().numpy().tobytes())
+
+
+def describe_difference(a: dict[str, Any], b: dict[str, Any], ra: int, rb: int) -> str:
+    """Name the first keys on which two descriptors differ."""
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    parts = [f"{k}: rank {ra} has {a.get(k)!r}, rank {rb} has {b.get(k)!r}" for k in keys[:3]]
+    return "; ".join(parts)
+
+
+def _verdict(transport: Transport, mine: bytes, timeout: float, device: torch.device) -> str:
+    """Rank 0: compare every rank's descriptor with its own; ``""`` when all agree."""
+    problems = []
+    for src in range(1, transport.world_size):
+        theirs = json.loads(_recv_blob(transport, src, timeout, device))
+        if theirs != json.loads(mine):
+            problems.append(describe_difference(json.loads(mine), theirs, 0, src))
+    if not problems:
+        return ""
+    return "ranks disagree on the collective's configuration: " + " | ".join(problems)
+
+
+def agree(
+    transport: Transport,
+    desc: dict[str, Any],
+    timeout: float,
+    device: torch.device | str = "cpu",
+    agreed: set[bytes] | None = None,
+) -> int:
+    """Check that every rank has the same descriptor; raise on every rank if not.
+
+    Rank 0 gathers the descriptors and sends every rank the verdict; the messages live on
+    ``device`` (the data's: NCCL moves CUDA tensors only). ``agreed``, when given, holds the
+    descriptors already agreed on over this transport (a DDP hook's lives across steps): one
+    found there is not exchanged again, one agreed on now is added. Returns bytes sent.
+    """
+    device = torch.device(device)
+    r, n = transport.rank, transport.world_size
+    if n == 1:
+        return 0
+    mine = json.dumps(desc, sort_keys=True, default=str).encode()
+    if agreed is not None and mine in agreed:
+        return 0
+    sent = 0
+    if r != 0:  # send mine to rank 0, get its verdict
+        works = _send_blob(transport, mine, 0, device)
+        sent += 8 + len(mine)
+        verdict = _recv_blob(transport, 0, timeout, device).decode()
+    else:  # compare everybody's with mine, send the verdict to all
+        verdict = _verdict(transport, mine, timeout, device)
+        works = []
+        for dst in range(1, n):
+            works += _send_blob(transport, verdict.encode(), dst, device)
+            sent += 8 + len(verdict)
+    for w in works:
+        w.wait(timeout)
+    if verdict:
+        raise ConfigMismatchError(verdict)
+    if agreed is not None:
+        agreed.add(mine)
+    return sent
