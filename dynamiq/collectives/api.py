@@ -14,6 +14,7 @@ from dynamiq.codecs.base import FLOAT_DTYPES
 
 from .engine import EngineResult, chunk_layout, plan_schedule, run_schedule
 from .schedules import Schedule, get_schedule
+from .simulator import simulate_schedule
 from .transport import LocalCluster, TorchDistTransport, Transport, run_threads
 
 __all__ = [
@@ -244,14 +245,20 @@ def simulate_allreduce(
     threshold: int = 0,
     timeout: float = 300.0,
     schedule_options: dict[str, Any] | None = None,
+    engine: str = "batched",
 ) -> SimResult:
     """Run the all-reduce of ``tensors`` (one per simulated rank) in this process.
 
-    The ranks are threads exchanging bytes through in-process mailboxes, running exactly the
-    engine that runs over torch.distributed. Inputs are not modified.
+    ``engine="batched"`` (:mod:`dynamiq.collectives.simulator`) computes every rank's part of
+    the engine round by round, one codec call per round where the codec allows: bit-identical
+    to ``engine="threads"``, where the ranks are threads exchanging bytes through in-process
+    mailboxes, running exactly the engine that runs over torch.distributed. Inputs are not
+    modified.
     """
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("tensors must be a non-empty list, one tensor per rank")
+    if engine not in ("batched", "threads"):
+        raise ValueError(f"engine must be 'batched' or 'threads' (got {engine!r})")
     n = len(tensors)
     shapes = {tuple(t.shape) for t in tensors}
     for i, t in enumerate(tensors):
@@ -262,29 +269,36 @@ def simulate_allreduce(
     c, sched = _resolve(
         codec, schedule, n, tensors[0].numel(), threshold, **(schedule_options or {})
     )
-    plan = plan_schedule(sched, c, seed=seed, step=step)
-    cluster = LocalCluster(n)
     outs = [t.detach().clone() for t in tensors]
-
-    def rank(r: int) -> AllReduceStats:
-        res = run_schedule(
-            cluster.transport(r),
-            outs[r].reshape(-1),
-            c,
-            sched,
-            seed=seed,
-            step=step,
-            sub_chunk=sub_chunk,
-            return_bound=return_bound,
-            timeout=timeout,
-            plan=plan,
+    if engine == "batched":
+        flat = [o.reshape(-1) for o in outs]
+        run = simulate_schedule(
+            flat, c, sched, seed=seed, step=step, sub_chunk=sub_chunk, return_bound=return_bound
         )
-        bound = _finish(outs[r], res, op, n)
-        stats = AllReduceStats.from_result(res, c, sched)
-        stats.bound = bound
-        return stats
+        results = run.results
+    else:
+        plan = plan_schedule(sched, c, seed=seed, step=step)
+        cluster = LocalCluster(n)
 
-    stats = run_threads(n, rank, on_error=cluster.aborted.set)
+        def rank(r: int) -> EngineResult:
+            return run_schedule(
+                cluster.transport(r),
+                outs[r].reshape(-1),
+                c,
+                sched,
+                seed=seed,
+                step=step,
+                sub_chunk=sub_chunk,
+                return_bound=return_bound,
+                timeout=timeout,
+                plan=plan,
+            )
+
+        results = run_threads(n, rank, on_error=cluster.aborted.set)
+    stats = []
+    for r, res in enumerate(results):
+        stats.append(AllReduceStats.from_result(res, c, sched))
+        stats[-1].bound = _finish(outs[r], res, op, n)
     exact = torch.stack([t.reshape(-1).double() for t in tensors]).sum(dim=0)
     if op == "avg":
         exact = exact / n

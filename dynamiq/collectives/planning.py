@@ -9,9 +9,9 @@ into sub-chunks (also block multiples), so nothing a codec decides depends on th
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,9 @@ from dynamiq.codecs import Codec, HopContext, get_codec
 from .schedules import Schedule
 
 __all__ = [
+    "Plan",
     "RecvOp",
+    "RoundOps",
     "RoundPlan",
     "SendOp",
     "chunk_bounds",
@@ -54,13 +56,198 @@ class RoundPlan:
     recvs: tuple[RecvOp, ...]
 
 
-@dataclass
-class _Sym:
-    encoded: bool = False
-    codec: Codec | None = None
-    ctx: HopContext | None = None
-    level: int = 0  # encodings along the longest history of the value
-    contrib: int = 1  # gradients summed in the value
+#: A hop context in compact form: ``(hop, num_hops, rank, contributions)`` (the rest of a
+#: plan's contexts is ``seed``, ``step`` and ``world_size``, the same for every encoding).
+CtxKey = tuple[int, int, int, int]
+#: ``(rank, dst, chunk, codec index, encode, ctx)``: ``rank`` sends ``chunk`` to ``dst``,
+#: encoding its raw value (``encode``) or forwarding the bytes it holds.
+SendEntry = tuple[int, int, int, int, bool, CtxKey]
+#: ``(rank, src, chunk, codec index, mode, ctx, out_ctx)``: as :class:`RecvOp`.
+RecvEntry = tuple[int, int, int, int, str, CtxKey, CtxKey | None]
+
+
+@dataclass(frozen=True)
+class RoundOps:
+    """One round of a plan, every rank's operations in compact form (ranks ascending, each
+    rank's chunks in the order of its :class:`~dynamiq.collectives.schedules.Step`)."""
+
+    round: int
+    sends: list[SendEntry]
+    recvs: list[RecvEntry]
+
+
+class Plan:
+    """A schedule's plan, made round by round (:meth:`rounds`) in memory linear in the
+    number of ranks × chunks: what :func:`plan_schedule` lists, without the lists.
+
+    ``codecs[i]`` is the codec of codec index ``i`` (0: the collective's; equal codecs share
+    an index); :meth:`context` expands a compact context.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        codec: Codec,
+        *,
+        seed: int = 0,
+        step: int = 0,
+        rounds: tuple[int, int] | None = None,
+    ) -> None:
+        self.schedule, self.seed, self.step = schedule, seed, step
+        self.start, self.stop = rounds if rounds is not None else (0, schedule.num_rounds)
+        self.codecs: list[Codec] = [codec]
+        self._by_config: dict[str, int] = {}
+        self._contexts: dict[CtxKey, HopContext] = {}
+        n = schedule.world_size
+        # the steps' codec indices, per (rank, round): a step's override, resolved once
+        self._step_codec = [[self._codec_index(st.codec) for st in row] for row in schedule.steps]
+        self._initial_contrib: list[list[int]] | None = None
+        if self.start > 0 and self.start >= schedule.reduce_rounds:  # an all-gather alone:
+            owner = {ch: r for ch, (r, _) in schedule.completions().items()}  # finished sums
+            self._initial_contrib = [
+                [n if owner.get(ch) == r else 0 for ch in range(schedule.num_chunks)]
+                for r in range(n)
+            ]
+        self._fused = self._fused_flags()
+        self.num_hops = self._num_hops()
+
+    def _codec_index(self, override: Any) -> int:
+        if override is None:
+            return 0
+        key = json.dumps(get_codec(override).get_config(), sort_keys=True)
+        if key not in self._by_config:
+            c = get_codec(override)
+            same = [i for i, known in enumerate(self.codecs) if known == c]
+            self._by_config[key] = same[0] if same else len(self.codecs)
+            if not same:
+                self.codecs.append(c)
+        return self._by_config[key]
+
+    def context(self, key: CtxKey) -> HopContext:
+        """The :class:`HopContext` (offset 0) of a compact context (one object per key)."""
+        ctx = self._contexts.get(key)
+        if ctx is None:
+            hop, num_hops, rank, contrib = key
+            ctx = HopContext(
+                seed=self.seed,
+                step=self.step,
+                hop=hop,
+                num_hops=num_hops,
+                rank=rank,
+                contributions=contrib,
+                world_size=self.schedule.world_size,
+            )
+            self._contexts[key] = ctx
+        return ctx
+
+    def _num_hops(self) -> list[int]:
+        """Per chunk, the encodings along its longest history (at least 1): a symbolic pass
+        over levels alone."""
+        s = self.schedule
+        n, c = s.world_size, s.num_chunks
+        enc = [[-1] * c for _ in range(n)]  # codec index of the bytes held, -1: raw
+        lvl = [[0] * c for _ in range(n)]
+        for k in range(self.start, self.stop):
+            fused, j = self._fused[k], 0
+            out: dict[tuple[int, int], tuple[int, int]] = {}
+            for r in range(n):
+                st, ci = s.steps[r][k], self._step_codec[r][k]
+                for ch in st.send_chunks:
+                    if enc[r][ch] != ci:
+                        enc[r][ch] = ci
+                        lvl[r][ch] += 1
+                    out[r, ch] = (ci, lvl[r][ch])
+            for r in range(n):
+                st = s.steps[r][k]
+                for ch in st.recv_chunks:
+                    assert st.recv_from is not None
+                    e, level = out[st.recv_from, ch]
+                    if st.action == "copy":
+                        enc[r][ch], lvl[r][ch] = e, level
+                        continue
+                    level = max(lvl[r][ch], level)
+                    if fused[j]:
+                        enc[r][ch], lvl[r][ch] = self._step_codec[r][k], level + 1
+                    else:
+                        enc[r][ch], lvl[r][ch] = -1, level
+                    j += 1
+        return [max(1, max(lvl[r][ch] for r in range(n))) for ch in range(c)]
+
+    def _fused_flags(self) -> dict[int, bytearray]:
+        """Per round, for each ``reduce`` receive (in order), whether the rank's next use of
+        the chunk (over the whole schedule: a partial run encodes as the full one does) is
+        to send it with the same codec: then it re-encodes at once (``fused``)."""
+        s = self.schedule
+        n, c = s.world_size, s.num_chunks
+        nxt = [[-2] * c for _ in range(n)]  # next use: codec index of a send, -1 recv, -2 none
+        flags: dict[int, bytearray] = {}
+        for k in range(s.num_rounds - 1, self.start - 1, -1):
+            if k < self.stop:
+                row = bytearray()
+                for r in range(n):
+                    st = s.steps[r][k]
+                    if st.action == "reduce":
+                        ci = self._step_codec[r][k]
+                        row.extend(nxt[r][ch] == ci for ch in st.recv_chunks)
+                flags[k] = row
+            for r in range(n):
+                st, ci = s.steps[r][k], self._step_codec[r][k]
+                for ch in st.recv_chunks:
+                    nxt[r][ch] = -1
+                for ch in st.send_chunks:
+                    nxt[r][ch] = ci
+        return flags
+
+    def rounds(self) -> Iterator[RoundOps]:
+        """The plan's rounds, made one at a time."""
+        s = self.schedule
+        n, c = s.world_size, s.num_chunks
+        nh = self.num_hops
+        enc = [[-1] * c for _ in range(n)]
+        key: list[list[CtxKey | None]] = [[None] * c for _ in range(n)]
+        lvl = [[0] * c for _ in range(n)]
+        contrib = self._initial_contrib or [[1] * c for _ in range(n)]
+        contrib = [list(row) for row in contrib]
+        for k in range(self.start, self.stop):
+            sends: list[SendEntry] = []
+            out: dict[tuple[int, int], tuple[int, CtxKey, int, int]] = {}
+            for r in range(n):
+                st, ci = s.steps[r][k], self._step_codec[r][k]
+                for ch in st.send_chunks:
+                    assert st.send_to is not None
+                    fresh = enc[r][ch] != ci
+                    if fresh:
+                        level = lvl[r][ch]
+                        enc[r][ch], lvl[r][ch] = ci, level + 1
+                        key[r][ch] = (level, max(nh[ch], level + 1), r, contrib[r][ch])
+                    held = key[r][ch]
+                    assert held is not None
+                    sends.append((r, st.send_to, ch, ci, fresh, held))
+                    out[r, ch] = (ci, held, lvl[r][ch], contrib[r][ch])
+            recvs: list[RecvEntry] = []
+            fused, j = self._fused[k], 0
+            for r in range(n):
+                st, ci = s.steps[r][k], self._step_codec[r][k]
+                for ch in st.recv_chunks:
+                    assert st.recv_from is not None
+                    m_ci, m_key, m_lvl, m_contrib = out[st.recv_from, ch]
+                    if st.action == "copy":
+                        enc[r][ch], key[r][ch] = m_ci, m_key
+                        lvl[r][ch], contrib[r][ch] = m_lvl, m_contrib
+                        recvs.append((r, st.recv_from, ch, ci, "copy", m_key, None))
+                        continue
+                    level = max(lvl[r][ch], m_lvl)
+                    total = contrib[r][ch] + m_contrib
+                    contrib[r][ch] = total
+                    if fused[j]:
+                        o_key = (level, max(nh[ch], level + 1), r, total)
+                        enc[r][ch], key[r][ch], lvl[r][ch] = ci, o_key, level + 1
+                        recvs.append((r, st.recv_from, ch, ci, "fused", m_key, o_key))
+                    else:
+                        enc[r][ch], key[r][ch], lvl[r][ch] = -1, None, level
+                        recvs.append((r, st.recv_from, ch, ci, "keep", m_key, None))
+                    j += 1
+            yield RoundOps(k, sends, recvs)
 
 
 def plan_schedule(
@@ -75,98 +262,24 @@ def plan_schedule(
 
     ``rounds=(start, stop)`` plans only those rounds; a plan that starts after the reduce
     phase (an all-gather alone) assumes each rank holds the finished sums of the chunks it
-    owns. Pure function of its arguments: every rank computes the same plan.
+    owns. Pure function of its arguments: every rank computes the same plan. (The lists of
+    :class:`Plan`'s rounds; equal contexts are one object.)
     """
-    start, stop = rounds if rounds is not None else (0, schedule.num_rounds)
-    gather_only = start > 0 and start >= schedule.reduce_rounds
+    plan = Plan(schedule, codec, seed=seed, step=step, rounds=rounds)
     n = schedule.world_size
-    codecs: dict[Any, Codec] = {}
-
-    def codec_of(override: Any) -> Codec:
-        if override is None:
-            return codec
-        key = json.dumps(get_codec(override).get_config(), sort_keys=True)
-        return codecs.setdefault(key, get_codec(override))
-
-    # when does each (rank, chunk) next appear, and how: ("send", codec) or ("recv", mode)
-    events: dict[tuple[int, int], list[tuple[int, str, Codec]]] = {}
-    for r in range(n):
-        for k, st in enumerate(schedule.steps[r]):  # the whole schedule: a partial run
-            for ch in st.send_chunks:  # encodes exactly as the full one does
-                events.setdefault((r, ch), []).append((k, "send", codec_of(st.codec)))
-            for ch in st.recv_chunks:
-                events.setdefault((r, ch), []).append((k, "recv", codec_of(st.codec)))
-
-    def next_event(r: int, ch: int, k: int) -> tuple[str, Codec] | None:
-        for kk, kind, c in events.get((r, ch), ()):
-            if kk > k:
-                return kind, c
-        return None
-
-    def run(num_hops: list[int] | None) -> tuple[list[list[RoundPlan]], list[int]]:
-        sym = [[_Sym() for _ in range(schedule.num_chunks)] for _ in range(n)]
-        if gather_only:
-            for r in range(n):
-                for ch in range(schedule.num_chunks):
-                    sym[r][ch].contrib = n if ch in schedule.owned_chunks(r) else 0
-        plans: list[list[RoundPlan]] = [[] for _ in range(n)]
-
-        def ctx(r: int, ch: int, level: int, contrib: int) -> HopContext:
-            h = num_hops[ch] if num_hops else level + 1
-            return HopContext(
-                seed=seed,
-                step=step,
-                hop=level,
-                num_hops=max(h, level + 1),
-                rank=r,
-                contributions=contrib,
-                world_size=n,
-            )
-
-        for k in range(start, stop):
-            outgoing: dict[int, dict[int, _Sym]] = {}
-            sends: list[list[SendOp]] = [[] for _ in range(n)]
-            for r in range(n):
-                st = schedule.steps[r][k]
-                c = codec_of(st.codec)
-                for ch in st.send_chunks:
-                    s = sym[r][ch]
-                    fresh = not (s.encoded and s.codec == c)
-                    if fresh:
-                        s = _Sym(True, c, ctx(r, ch, s.level, s.contrib), s.level + 1, s.contrib)
-                        sym[r][ch] = s
-                    assert s.ctx is not None
-                    sends[r].append(SendOp(ch, c, s.ctx, fresh))
-                    outgoing.setdefault(r, {})[ch] = dataclasses.replace(s)
-            for r in range(n):
-                st = schedule.steps[r][k]
-                c = codec_of(st.codec)
-                recvs = []
-                for ch in st.recv_chunks:
-                    assert st.recv_from is not None
-                    msg = outgoing[st.recv_from][ch]
-                    assert msg.ctx is not None
-                    if st.action == "copy":
-                        sym[r][ch] = dataclasses.replace(msg)
-                        recvs.append(RecvOp(ch, c, msg.ctx, "copy"))
-                        continue
-                    mine = sym[r][ch]
-                    level = max(mine.level, msg.level)
-                    contrib = mine.contrib + msg.contrib
-                    nxt = next_event(r, ch, k)
-                    if nxt is not None and nxt[0] == "send" and nxt[1] == c:
-                        out = ctx(r, ch, level, contrib)
-                        sym[r][ch] = _Sym(True, c, out, level + 1, contrib)
-                        recvs.append(RecvOp(ch, c, msg.ctx, "fused", out))
-                    else:
-                        sym[r][ch] = _Sym(False, None, None, level, contrib)
-                        recvs.append(RecvOp(ch, c, msg.ctx, "keep"))
-                plans[r].append(RoundPlan(st.send_to, tuple(sends[r]), st.recv_from, tuple(recvs)))
-        hops = [max(sym[r][ch].level for r in range(n)) for ch in range(schedule.num_chunks)]
-        return plans, hops
-
-    _, hops = run(None)
-    plans, _ = run([max(h, 1) for h in hops])
+    plans: list[list[RoundPlan]] = [[] for _ in range(n)]
+    ctx = plan.context
+    for ops in plan.rounds():
+        sends: list[list[SendOp]] = [[] for _ in range(n)]
+        recvs: list[list[RecvOp]] = [[] for _ in range(n)]
+        for r, _dst, ch, ci, fresh, key in ops.sends:
+            sends[r].append(SendOp(ch, plan.codecs[ci], ctx(key), fresh))
+        for r, _src, ch, ci, mode, key, out in ops.recvs:
+            out_ctx = ctx(out) if out is not None else None
+            recvs[r].append(RecvOp(ch, plan.codecs[ci], ctx(key), mode, out_ctx))
+        for r in range(n):
+            st = schedule.steps[r][ops.round]
+            plans[r].append(RoundPlan(st.send_to, tuple(sends[r]), st.recv_from, tuple(recvs[r])))
     return plans
 
 

@@ -92,7 +92,11 @@ class Schedule:
 
     def completions(self) -> dict[int, tuple[int, int]]:
         """For each chunk, the ``(rank, round)`` that completes its sum (its owner)."""
-        return _simulate(self)
+        done = self.__dict__.get("_completions")
+        if done is None:  # computed once: the schedule is immutable
+            done = _simulate(self)
+            object.__setattr__(self, "_completions", done)
+        return dict(done)
 
     @property
     def reduce_rounds(self) -> int:
@@ -213,16 +217,22 @@ def validate(s: Schedule) -> None:
     _simulate(s)
 
 
+def _ranks(bits: int) -> list[int]:
+    """The ranks of a bit set (bit ``r`` is rank ``r``), ascending."""
+    return [r for r in range(bits.bit_length()) if bits >> r & 1]
+
+
 def _simulate(s: Schedule) -> dict[int, tuple[int, int]]:
-    """Symbolic run: which ranks' gradients each (rank, chunk) holds, round by round.
+    """Symbolic run: which ranks' gradients each (rank, chunk) holds, round by round (as bit
+    sets: time and memory ``O(rounds · n)`` words of ``n`` bits).
 
     Returns, per chunk, the (rank, round) that completes its sum; raises
     :class:`ScheduleError` where a sum double-counts, is completed twice, or ends incomplete.
     """
     n, c = s.world_size, s.num_chunks
-    held = [[frozenset([r]) for _ in range(c)] for r in range(n)]
+    held = [[1 << r] * c for r in range(n)]
     completed: dict[int, tuple[int, int]] = {}  # chunk -> (rank, round) that summed it all
-    everyone = frozenset(range(n))
+    everyone = (1 << n) - 1
     for k in range(s.num_rounds):
         for r in range(n):
             st = s.steps[r][k]
@@ -248,9 +258,9 @@ def _simulate(s: Schedule) -> dict[int, tuple[int, int]]:
                     if held[r][ch] & incoming:
                         raise ScheduleError(
                             f"round {k}: rank {r} reduces chunk {ch} twice with the "
-                            f"gradients of ranks {sorted(held[r][ch] & incoming)}"
+                            f"gradients of ranks {_ranks(held[r][ch] & incoming)}"
                         )
-                    held[r][ch] = held[r][ch] | incoming
+                    held[r][ch] |= incoming
                     if held[r][ch] == everyone:
                         if ch in completed:
                             (r0, k0) = completed[ch]
@@ -263,7 +273,7 @@ def _simulate(s: Schedule) -> dict[int, tuple[int, int]]:
     for r in range(n):
         for ch in range(c):
             if held[r][ch] != everyone:
-                missing = sorted(everyone - held[r][ch])
+                missing = _ranks(everyone & ~held[r][ch])
                 raise ScheduleError(
                     f"rank {r} ends without the gradients of ranks {missing} in chunk {ch}"
                 )

@@ -1,0 +1,512 @@
+"""The batched simulator: every rank of a schedule in one process, one codec call per round.
+
+:func:`simulate_schedule` computes what the engine (:mod:`dynamiq.collectives.engine`)
+computes on every rank, bit for bit (outputs, certified bounds, bytes), without threads or
+mailboxes: it walks the plan round by round (:class:`~dynamiq.collectives.planning.Plan`,
+made lazily, in memory linear in ranks × chunks) and, in each round, encodes the values of all
+ranks that one codec encodes with contexts that codec does not tell apart in **one** call on
+their concatenation (see :func:`batch_key`). That is exact because
+
+* every chunk is a whole number of the codec's blocks, aligned to global offsets (the
+  engine's cut, :func:`~dynamiq.collectives.planning.chunk_layout`), and these codecs encode
+  each block on its own (the engine's sub-chunk invariant), so a concatenation of chunks
+  encodes as the chunks do; the one chunk that ends in a partial block (the buffer's tail)
+  goes last in its call;
+* a fused ``reduce`` of a re-quantizing codec is bit-identical to encoding ``decode(payload)
+  + local`` (the :class:`~dynamiq.codecs.Codec` contract), and decoding is deterministic, so
+  each encoding is decoded once and every rank that holds its bytes uses those values.
+
+Codecs whose encoding depends on the rank, the offset or a prologue's result (stochastic
+rounding, THC, OmniReduce), homomorphic codecs and codecs this module does not know (plugins,
+subclasses) run per rank and per sub-chunk, exactly as the engine calls them.
+``tests/collectives/test_batched_simulator.py`` checks bit-identity with the threaded run of
+the engine for every registered codec and schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dynamiq.codecs import Codec, HopContext
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec
+from dynamiq.codecs.intq import IntCodec
+from dynamiq.codecs.mx import MXFP4, MXFP6E2M3, MXFP6E3M2, MXFP8E4M3, MXFP8E5M2, MXINT8
+from dynamiq.codecs.passthrough import BF16Codec, FP16Codec, FP32Codec
+
+from .engine import WIRE_VERSION, EngineResult, PrologueComm, _group_size, _slack
+from .planning import CtxKey, Plan, chunk_layout
+from .schedules import Schedule
+from .transport import LocalCluster, run_threads
+
+__all__ = ["SimRun", "batch_key", "simulate_schedule"]
+
+#: codec classes (exactly these, not subclasses) whose encode, decode, size and bound read
+#: no field of the HopContext
+_CONTEXT_FREE = (
+    FP32Codec,
+    BF16Codec,
+    FP16Codec,
+    MXFP8E4M3,
+    MXFP8E5M2,
+    MXFP6E3M2,
+    MXFP6E2M3,
+    MXFP4,
+    MXINT8,
+)
+
+
+def batch_key(codec: Codec, ctx: HopContext) -> Hashable | None:
+    """The fields of ``ctx`` that ``codec`` reads, as a key (encodings with equal keys may
+    share one call on their concatenated chunks), or ``None``: this codec is called per rank.
+
+    INT with nearest rounding reads none (stochastic rounding hashes rank and offset); DynamiQ
+    with nearest rounding reads ``hop``/``num_hops`` when ``hop_slope`` moves its budget.
+    """
+    cls = type(codec)
+    if callable(getattr(codec, "prologue", None)):
+        return None
+    if cls in _CONTEXT_FREE:
+        return ()
+    if cls is IntCodec:
+        return () if codec.rounding == "nearest" else None  # type: ignore[attr-defined]
+    if cls is DynamiqCodec:
+        if codec.rounding != "nearest":  # type: ignore[attr-defined]
+            return None
+        return () if codec.hop_slope == 0 else (ctx.hop, ctx.num_hops)  # type: ignore[attr-defined]
+    return None
+
+
+@dataclass
+class _Enc:
+    """An encoding of one chunk: its decoded values (per group of ranks with equal prologue
+    results), its bound, its wire bytes; the payload of each sub-chunk where it is needed
+    again (codecs called per rank)."""
+
+    ci: int
+    ch: int
+    key: CtxKey
+    values: dict[int, torch.Tensor]
+    bound: torch.Tensor | None
+    nbytes: int
+    payloads: list[torch.Tensor] | None = None
+    packed: bool = False
+
+
+@dataclass
+class _Item:
+    """A value to encode: ``rank`` encodes ``v`` (chunk ``ch``) with ``ci``/``key``; its bound
+    before the encoding is ``base``; ``fused``: the received message of a fused reduce."""
+
+    rank: int
+    ch: int
+    v: torch.Tensor
+    base: torch.Tensor | None
+    ci: int
+    key: CtxKey
+    fused: tuple[_Enc, torch.Tensor, CtxKey] | None = None  # (message, local, its ctx)
+
+
+@dataclass
+class SimRun:
+    """What :func:`simulate_schedule` computed: each rank's :class:`EngineResult` (output in
+    fp32, bound, byte counters, as the engine reports them; ``seconds`` are the whole
+    simulation's phases) and ``round_bytes[k, r]``, the payload bytes (with length headers)
+    rank ``r`` sends in round ``k``."""
+
+    results: list[EngineResult]
+    round_bytes: np.ndarray
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class _Sim:
+    def __init__(
+        self,
+        xs: Sequence[torch.Tensor],
+        codec: Codec,
+        schedule: Schedule,
+        seed: int,
+        step: int,
+        sub_chunk: int,
+        return_bound: bool,
+    ) -> None:
+        self.n, self.numel = schedule.world_size, xs[0].numel()
+        self.schedule, self.sub_chunk, self.return_bound = schedule, sub_chunk, return_bound
+        self.plan = Plan(schedule, codec, seed=seed, step=step)
+        self.codecs = self.plan.codecs
+        self.bounds, self.pieces = chunk_layout(self.numel, schedule, codec, sub_chunk)
+        self.seconds: dict[str, float] = {}
+        n = self.n
+        self.work = torch.stack([x.detach().to(torch.float32) for x in xs]).reshape(n, -1)
+        self.beta = torch.zeros(n, self.numel, dtype=torch.float64) if return_bound else None
+        self.state: list[list[_Enc | None]] = [[None] * schedule.num_chunks for _ in range(n)]
+        self.sent = [0] * n
+        self.received = [0] * n
+        self.bound_sent = [0] * n
+        self.shared: list[Mapping[str, Any] | None] = [None] * n
+        self.group = [0] * n  # ranks with equal prologue results decode alike
+        self._ctx: dict[tuple[CtxKey, int, int], HopContext] = {}
+        self._nbytes: dict[tuple[int, Hashable, int], int] = {}
+
+    # -- contexts and sizes -----------------------------------------------------------------
+
+    def octx(self, key: CtxKey, offset: int, rank: int) -> HopContext:
+        """The engine's context of an encoding at ``offset``, on ``rank`` (its prologue)."""
+        g = self.group[rank]
+        ctx = self._ctx.get((key, offset, g))
+        if ctx is None:
+            ctx = dataclasses.replace(
+                self.plan.context(key), offset=offset, shared=self.shared[rank]
+            )
+            self._ctx[key, offset, g] = ctx
+        return ctx
+
+    def tick(self, phase: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - t0
+        return now
+
+    def chunk_nbytes(self, ci: int, key: CtxKey, ch: int, bkey: Hashable) -> int:
+        """Wire bytes of chunk ``ch`` (its sub-chunks) for a codec of fixed sizes."""
+        codec = self.codecs[ci]
+        total = 0
+        for a, b in self.pieces[ch]:
+            k = (ci, bkey, b - a)
+            size = self._nbytes.get(k)
+            if size is None:
+                got = codec.encoded_nbytes(b - a, self.octx(key, a, 0))
+                assert got is not None
+                size = self._nbytes[k] = got
+            total += size
+        return total
+
+    # -- values ------------------------------------------------------------------------------
+
+    def value_of(self, enc: _Enc, rank: int) -> torch.Tensor:
+        """The decoded values of ``enc`` on ``rank`` (decoded once per group of ranks)."""
+        g = self.group[rank]
+        v = enc.values.get(g)
+        if v is None:
+            assert enc.payloads is not None
+            codec = self.codecs[enc.ci]
+            t = time.perf_counter()
+            parts = [
+                codec.decode(p, b - a, self.octx(enc.key, a, rank))
+                for p, (a, b) in zip(enc.payloads, self.pieces[enc.ch], strict=True)
+            ]
+            v = enc.values[g] = torch.cat(parts) if len(parts) > 1 else parts[0]
+            self.tick("decode", t)
+        return v
+
+    def local(self, rank: int, ch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        enc = self.state[rank][ch]
+        if enc is None:
+            a, b = self.bounds[ch]
+            return self.work[rank, a:b], (self.beta[rank, a:b] if self.beta is not None else None)
+        return self.value_of(enc, rank), enc.bound
+
+    # -- encoding ----------------------------------------------------------------------------
+
+    def encode(self, items: list[_Item]) -> list[_Enc]:
+        """Encode ``items``: batched calls where :func:`batch_key` allows, else per rank."""
+        out: list[_Enc | None] = [None] * len(items)
+        batches: dict[tuple[int, Hashable], list[int]] = {}
+        for i, it in enumerate(items):
+            codec = self.codecs[it.ci]
+            bkey = batch_key(codec, self.plan.context(it.key))
+            if bkey is None:
+                out[i] = self.encode_alone(it)
+            else:
+                batches.setdefault((it.ci, bkey), []).append(i)
+        for (ci, bkey), idx in batches.items():
+            block = self.codecs[ci].block_size
+            whole = [i for i in idx if items[i].v.numel() % block == 0]
+            tails = [i for i in idx if items[i].v.numel() % block != 0]
+            # a partial block may only end a call: one tail per call
+            groups = [whole + tails[:1]] + [[i] for i in tails[1:]]
+            for g in (g for g in groups if g):
+                encs = self.encode_batch([items[i] for i in g], bkey)
+                for i, enc in zip(g, encs, strict=True):
+                    out[i] = enc
+        assert all(e is not None for e in out)
+        return out  # type: ignore[return-value]
+
+    def encode_batch(self, items: list[_Item], bkey: Hashable) -> list[_Enc]:
+        ci, key = items[0].ci, items[0].key
+        codec = self.codecs[ci]
+        t = time.perf_counter()
+        lens = [it.v.numel() for it in items]
+        total = sum(lens)
+        x = torch.cat([it.v for it in items]) if len(items) > 1 else items[0].v.contiguous()
+        ctx = self.octx(key, self.bounds[items[0].ch][0], items[0].rank)
+        if total:
+            dec = codec.decode(codec.encode(x, ctx), total, ctx)
+            err = codec.error_bound.max_abs_error(x, ctx) if self.return_bound else None
+        else:
+            dec, err = x, (torch.zeros(0, dtype=torch.float64) if self.return_bound else None)
+        self.tick("encode", t)
+        decs = torch.split(dec, lens)
+        errs = torch.split(err, lens) if err is not None else [None] * len(items)
+        encs = []
+        for it, d, e in zip(items, decs, errs, strict=True):
+            bound = None
+            if e is not None:
+                assert it.base is not None
+                bound = it.base + e
+            nbytes = self.chunk_nbytes(ci, it.key, it.ch, bkey)
+            encs.append(_Enc(ci, it.ch, it.key, {0: d}, bound, nbytes))
+        return encs
+
+    def encode_alone(self, it: _Item) -> _Enc:
+        """The engine's calls, one per sub-chunk, on the encoding rank (its prologue)."""
+        codec = self.codecs[it.ci]
+        a0 = self.bounds[it.ch][0]
+        t = time.perf_counter()
+        payloads, decs, bounds, nbytes = [], [], [], 0
+        for j, (a, b) in enumerate(self.pieces[it.ch]):
+            v = it.v[a - a0 : b - a0].contiguous()
+            c = self.octx(it.key, a, it.rank)
+            if it.fused is None:
+                p = codec.encode(v, c)
+            else:
+                msg, local, in_key = it.fused
+                in_c = self.octx(in_key, a, it.rank)
+                assert msg.payloads is not None
+                p = codec.reduce(msg.payloads[j], local[a - a0 : b - a0].contiguous(), in_c, c)
+            payloads.append(p)
+            decs.append(codec.decode(p, b - a, c))
+            if self.return_bound:
+                bounds.append(codec.error_bound.max_abs_error(v, c))
+            nbytes += p.numel() + (8 if codec.encoded_nbytes(b - a, c) is None else 0)
+        self.tick("encode", t)
+        dec = torch.cat(decs) if len(decs) > 1 else decs[0]
+        bound = None
+        if self.return_bound:
+            assert it.base is not None
+            bound = it.base + (torch.cat(bounds) if len(bounds) > 1 else bounds[0])
+        return _Enc(it.ci, it.ch, it.key, {self.group[it.rank]: dec}, bound, nbytes, payloads)
+
+    # -- bounds on the wire --------------------------------------------------------------------
+
+    def pack(self, sent: list[_Enc]) -> None:
+        """Give each sent encoding's bound the value its receiver gets: the maximum of each
+        group of ``max(block_size, 32)`` elements of each sub-chunk (as the engine sends it)."""
+        if self.beta is None:
+            return
+        by_group: dict[int, list[_Enc]] = {}
+        for e in sent:
+            if not e.packed:
+                e.packed = True
+                by_group.setdefault(_group_size(self.codecs[e.ci]), []).append(e)
+        for g, encs in by_group.items():
+            lens = [b - a for e in encs for a, b in self.pieces[e.ch]]
+            size = np.array(lens, dtype=np.int64)
+            padded = -(-size // g) * g
+            start = np.cumsum(padded) - padded  # each sub-chunk's place, in whole groups
+            first = np.cumsum(size) - size
+            total = int(size.sum())
+            pos = torch.from_numpy(np.repeat(start - first, size) + np.arange(total))
+            vals = torch.cat([e.bound for e in encs if e.bound is not None])
+            room = torch.zeros(int(padded.sum()), dtype=torch.float64)
+            room[pos] = vals
+            back = room.view(-1, g).amax(dim=1)[torch.div(pos, g, rounding_mode="floor")]
+            chunk_lens = [e.bound.numel() for e in encs if e.bound is not None]
+            for e, bnd in zip(encs, torch.split(back, chunk_lens), strict=True):
+                e.bound = bnd
+
+    def bound_nbytes(self, ci: int, ch: int) -> int:
+        g = _group_size(self.codecs[ci])
+        return sum(-(-(b - a) // g) * 8 for a, b in self.pieces[ch])
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def run(self, xs: Sequence[torch.Tensor]) -> SimRun:
+        t0 = time.perf_counter()
+        self.prologue(xs)
+        rounds = np.zeros((self.plan.stop - self.plan.start, self.n), dtype=np.int64)
+        for ops in self.plan.rounds():
+            k = ops.round
+            # sends: forward the bytes held, or encode (all fresh encodings of the round at once)
+            items: list[_Item] = []
+            msgs: dict[tuple[int, int], _Enc] = {}
+            for r, _dst, ch, ci, fresh, key in ops.sends:
+                if fresh:
+                    v, vb = self.local(r, ch)
+                    items.append(_Item(r, ch, v, vb, ci, key))
+                else:
+                    held = self.state[r][ch]
+                    assert held is not None
+                    msgs[r, ch] = held
+            for it, enc in zip(items, self.encode(items), strict=True):
+                self.state[it.rank][it.ch] = msgs[it.rank, it.ch] = enc
+            self.pack([msgs[r, ch] for r, _d, ch, *_ in ops.sends])
+            for r, dst, ch, ci, _fresh, _key in ops.sends:
+                nb = msgs[r, ch].nbytes
+                self.sent[r] += nb
+                self.received[dst] += nb
+                rounds[k - self.plan.start, r] += nb
+                if self.beta is not None:
+                    self.bound_sent[r] += self.bound_nbytes(ci, ch)
+            self.receive(ops.recvs, msgs)
+        results = self.finish()
+        self.seconds["total"] = time.perf_counter() - t0
+        for res in results:
+            res.seconds = dict(self.seconds)
+        return SimRun(results, rounds, dict(self.seconds))
+
+    def receive(self, recvs: list[Any], msgs: dict[tuple[int, int], _Enc]) -> None:
+        t = time.perf_counter()
+        todo = []
+        for r, src, ch, ci, mode, key, out in recvs:
+            msg = msgs[src, ch]
+            if mode == "copy":
+                self.state[r][ch] = msg
+            else:
+                todo.append((r, ch, ci, mode, key, out, msg))
+        if not todo:
+            return
+        # v = decode(message) + local, for every reduce of the round at once
+        lens, incoming, locals_, pbs, lbs = [], [], [], [], []
+        for r, ch, _ci, _mode, _key, _out, msg in todo:
+            lv, lb = self.local(r, ch)
+            incoming.append(self.value_of(msg, r))
+            locals_.append(lv)
+            lens.append(lv.numel())
+            pbs.append(msg.bound)
+            lbs.append(lb)
+        v_all = torch.cat(incoming) + torch.cat(locals_)
+        vs = torch.split(v_all, lens)
+        bases: Sequence[torch.Tensor | None] = [None] * len(todo)
+        if self.beta is not None:
+            pb = torch.cat([b for b in pbs if b is not None])
+            lb = torch.cat([b for b in lbs if b is not None])
+            bases = torch.split(pb + lb + _slack(v_all), lens)
+        items = []
+        for (r, ch, ci, mode, key, out, msg), v, base, lv in zip(
+            todo, vs, bases, locals_, strict=True
+        ):
+            if mode == "keep":
+                a, b = self.bounds[ch]
+                self.work[r, a:b] = v
+                if self.beta is not None:
+                    assert base is not None
+                    self.beta[r, a:b] = base
+                self.state[r][ch] = None
+                continue
+            assert out is not None
+            codec = self.codecs[ci]
+            alone = batch_key(codec, self.plan.context(out)) is None
+            fused = (msg, lv, key) if alone else None
+            items.append(_Item(r, ch, v, base, ci, out, fused))
+        self.tick("reduce", t)
+        for it, enc in zip(items, self.encode(items), strict=True):
+            self.state[it.rank][it.ch] = enc
+
+    def prologue(self, xs: Sequence[torch.Tensor]) -> None:
+        """Run a codec's prologue on every rank (threads: its exchange is collective)."""
+        codec = self.codecs[0]
+        fn = getattr(codec, "prologue", None)
+        if not callable(fn):
+            return
+        t = time.perf_counter()
+        cluster = LocalCluster(self.n)
+        comms = [PrologueComm(cluster.transport(r), 300.0) for r in range(self.n)]
+        self.shared = run_threads(
+            self.n, lambda r: fn(xs[r], comms[r]), on_error=cluster.aborted.set
+        )
+        for r, comm in enumerate(comms):
+            self.sent[r] += comm.bytes_sent
+            self.received[r] += comm.bytes_received
+        for r in range(self.n):
+            self.group[r] = next(q for q in range(r + 1) if _same(self.shared[q], self.shared[r]))
+        self.tick("prologue", t)
+
+    def finish(self) -> list[EngineResult]:
+        """Each rank's output: its raw values, and the decoded bytes of what it holds encoded
+        (ranks holding the same encodings share the work)."""
+        t = time.perf_counter()
+        done: dict[tuple[Any, ...], int] = {}
+        control = _handshake_bytes(self)
+        results = []
+        for r in range(self.n):
+            row = self.state[r]
+            sig = (self.group[r], *[id(e) if e is not None else ("raw", r) for e in row])
+            first = done.setdefault(sig, r)
+            if first != r:
+                self.work[r] = self.work[first]
+                if self.beta is not None:
+                    self.beta[r] = self.beta[first]
+            else:
+                for ch, enc in enumerate(row):
+                    if enc is None:
+                        continue
+                    a, b = self.bounds[ch]
+                    self.work[r, a:b] = self.value_of(enc, r)
+                    if self.beta is not None:
+                        assert enc.bound is not None
+                        self.beta[r, a:b] = enc.bound
+            results.append(
+                EngineResult(
+                    output=self.work[r],
+                    bound=self.beta[r] if self.beta is not None else None,
+                    bytes_sent=self.sent[r],
+                    bytes_received=self.received[r],
+                    bound_bytes_sent=self.bound_sent[r],
+                    control_bytes_sent=control[r],
+                )
+            )
+        self.tick("decode", t)
+        return results
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (RuntimeError, ValueError, TypeError):  # e.g. tensors inside
+        return a is b
+
+
+def _handshake_bytes(sim: _Sim) -> list[int]:
+    """What the engine's configuration handshake (``engine.agree``) sends from each rank:
+    every rank but 0 its descriptor, rank 0 an empty verdict to each."""
+    n = sim.n
+    if n == 1:
+        return [0]
+    desc = {
+        "wire_version": WIRE_VERSION,
+        "codec": sim.codecs[0].get_config(),
+        "schedule": sim.schedule.describe(),
+        "numel": sim.numel,
+        "seed": sim.plan.seed,
+        "sub_chunk": sim.sub_chunk,
+        "return_bound": sim.return_bound,
+    }
+    mine = len(json.dumps(desc, sort_keys=True, default=str).encode())
+    return [8 * (n - 1)] + [8 + mine] * (n - 1)
+
+
+def simulate_schedule(
+    xs: Sequence[torch.Tensor],
+    codec: Codec,
+    schedule: Schedule,
+    *,
+    seed: int = 0,
+    step: int = 0,
+    sub_chunk: int = 1 << 18,
+    return_bound: bool = True,
+) -> SimRun:
+    """All-reduce ``xs`` (1-D, one per rank, equal sizes) as the engine would on every rank.
+
+    ``return_bound=False`` skips every bound computation (and the bound bytes).
+    """
+    if len(xs) != schedule.world_size:
+        raise ValueError(f"schedule is for {schedule.world_size} ranks, got {len(xs)} tensors")
+    sim = _Sim(xs, codec, schedule, seed, step, sub_chunk, return_bound)
+    return sim.run(xs)
