@@ -161,6 +161,7 @@ def run_schedule(
     rounds: tuple[int, int] | None = None,
     outputs: Sequence[int] | None = None,
     inplace: bool = False,
+    chunk_bounds: Sequence[tuple[int, int]] | None = None,
 ) -> EngineResult:
     """All-reduce (sum) the 1-D tensor ``x`` of this rank; returns the fp32 result.
 
@@ -172,7 +173,8 @@ def run_schedule(
     every value this rank encodes, at its positions: its own contribution and the partial
     sums it re-encodes (error feedback adds it to the next step's gradient).
     ``rounds=(start, stop)`` runs part of the schedule (``reduce_scatter``, ``all_gather``);
-    ``outputs`` lists the chunks to decode at the end (default: all).
+    ``outputs`` lists the chunks to decode at the end (default: all). ``chunk_bounds`` (one
+    ``[start, end)`` per chunk) replaces the even cut (see ``planning.chunk_layout``).
 
     A codec with a ``prologue(x, comm)`` method (a collective step it needs first, e.g. an
     agreement on a global norm) has it run here; ``comm.allgather(tensor)`` exchanges a small
@@ -212,7 +214,7 @@ def run_schedule(
         t0 = timer.add("prologue", t0)
 
     plan = plan or plan_schedule(schedule, codec, seed=seed, step=step, rounds=rounds)
-    _, pieces = chunk_layout(numel, schedule, codec, sub_chunk)
+    _, pieces = chunk_layout(numel, schedule, codec, sub_chunk, chunk_bounds)
 
     # raw values (fp32), updated in place
     if inplace and x.dtype == torch.float32 and x.is_contiguous():
