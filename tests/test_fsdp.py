@@ -29,6 +29,7 @@ def _model(
     mp: Any = None,
     reshard: bool = True,
     factor: float | None = None,
+    seed: int = 0,
 ) -> tuple[torch.nn.Module, Any]:
     """The tiny transformer, its blocks and itself under ``fully_shard``; ``comm``: the
     keyword arguments of ``dynamiq.fsdp.compress`` (None: FSDP's own reduce-scatter)."""
@@ -39,7 +40,7 @@ def _model(
     kw: dict[str, Any] = {"reshard_after_forward": reshard}
     if mp is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=mp)
-    model = build_model(CFG.model_config(), 0)
+    model = build_model(CFG.model_config(), seed)
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
@@ -306,3 +307,84 @@ def test_fp32_codec_within_the_fp32_slack_at_4_ranks() -> None:
             slack = 2 * world * 2.0**-24 * 1.01 * res["abs_sum"][k].double() / world
             diff = (plain[k].double() - ours[k].double()).abs()
             assert bool((diff <= slack + 2.0**-140).all()), k
+
+
+def _train(rank: int, world: int, comm: dict[str, Any] | None, seed: int, steps: int) -> list:
+    """``steps`` AdamW steps of the tiny transformer under FSDP2; this rank's losses."""
+    from dynamiq.bench.ddp_train import adamw
+
+    model, _state = _model(comm, seed=seed)  # the state must live as long as the model
+    opt = adamw(model.parameters(), CFG.lr)
+    losses = []
+    for step in range(steps):
+        batch = _batch(doc_text(), CFG, rank, world, step + 10_000 * seed)
+        loss = lm_loss(model, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _job_train(rank: int, world: int, steps: int) -> dict[str, list]:
+    warnings.simplefilter("ignore")
+    runs = {
+        "fsdp2 seed 0": (None, 0),
+        "fsdp2 seed 1": (None, 1),
+        "int8": ({"codec": "int8"}, 0),
+        "dynamiq": ({"codec": "dynamiq"}, 0),
+    }
+    return {name: _train(rank, world, comm, seed, steps) for name, (comm, seed) in runs.items()}
+
+
+@pytest.mark.slow
+def test_int8_and_dynamiq_train_like_default_fsdp2() -> None:
+    steps = 300
+    results = run_gloo(_job_train, 2, steps, timeout=3000)
+    assert all(s == "ok" for s, _ in results), results
+
+    def tail(name: str) -> float:  # mean over ranks of the last 50 steps' mean loss
+        return sum(sum(r[name][-50:]) / 50 for _, r in results) / len(results)
+
+    base, other = tail("fsdp2 seed 0"), tail("fsdp2 seed 1")
+    spread = abs(base - other) / base
+    allowed = max(0.02, 2 * spread)
+    first = results[0][1]["fsdp2 seed 0"][0]
+    assert base < 0.8 * first  # it learned
+    report = {n: tail(n) for n in results[0][1]}
+    print(f"last-50 mean losses {report}; seed spread {spread:.4f}; allowed {allowed:.4f}")
+    for name in ("int8", "dynamiq"):
+        assert results[0][1][name][0] == first  # same seed, same start
+        assert abs(tail(name) - base) / base <= allowed, (name, report, allowed)
+
+
+def test_example_script_under_torchrun(tmp_path: Any) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dynamiq.testing.distributed import free_port
+
+    script = Path(__file__).parents[1] / "examples" / "train_fsdp.py"
+    out = tmp_path / "run.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script)]
+    cmd += [
+        "--codec",
+        "mxfp8_e4m3",
+        "--steps",
+        "6",
+        "--error-feedback",
+        "shard",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gloo, 2 ranks, FSDP2, codec mxfp8_e4m3: final loss" in proc.stdout
+    data = json.loads(out.read_text())
+    assert len(data["losses"]) == 6
+    stats = data["comm_stats"]
+    assert len(stats) == 6 * (TrainConfig().n_layers + 1)  # every FSDP module, every step
+    assert all(s["bytes_sent"] > 0 for s in stats)
