@@ -331,11 +331,36 @@ class Shard:
 
 
 def _owned_ranges(
-    sched: Schedule, codec: Codec, numel: int, sub_chunk: int, rank: int
+    sched: Schedule,
+    codec: Codec,
+    numel: int,
+    sub_chunk: int,
+    rank: int,
+    chunk_bounds: list[tuple[int, int]] | None = None,
 ) -> tuple[list[int], list[tuple[int, int]]]:
-    bounds, _ = chunk_layout(numel, sched, codec, sub_chunk)
+    bounds, _ = chunk_layout(numel, sched, codec, sub_chunk, chunk_bounds)
     chunks = sched.owned_chunks(rank)
     return chunks, [bounds[c] for c in chunks]
+
+
+def _bounds_by_chunk(sched: Schedule, by_rank: Any) -> list[tuple[int, int]]:
+    """Per-chunk bounds from the range each rank must own (``by_rank[r]``): rank ``r``'s
+    range becomes the bounds of the one chunk the schedule has it complete."""
+    n = sched.world_size
+    if len(by_rank) != n:
+        raise ValueError(f"chunk_bounds needs one range per rank ({n}), got {len(by_rank)}")
+    out: list[tuple[int, int] | None] = [None] * sched.num_chunks
+    for r in range(n):
+        owned = sched.owned_chunks(r)
+        if sched.num_chunks != n or len(owned) != 1:
+            raise ValueError(
+                f"schedule {sched.name!r} cannot give rank r a caller-chosen range: its "
+                f"{n} ranks complete {sched.num_chunks} chunks (rank {r} completes {owned}); "
+                "use 'ring' or a power-of-two 'butterfly'"
+            )
+        a, b = by_rank[r]
+        out[owned[0]] = (int(a), int(b))
+    return [c for c in out if c is not None]
 
 
 def reduce_scatter(
@@ -352,12 +377,19 @@ def reduce_scatter(
     timeout: float = 300.0,
     transport: Transport | None = None,
     schedule_options: dict[str, Any] | None = None,
+    chunk_bounds: Any = None,
+    residual: torch.Tensor | None = None,
+    return_bound: bool = False,
 ) -> Shard | AllReduceHandle:
     """The reduce-scatter half: every rank gets the finished sum of the chunks it owns.
 
     The sums are the very values :func:`allreduce` would give (same codec, schedule, seed).
     ``tensor`` is not modified. ``async_op=True`` returns a handle whose ``wait()`` gives the
-    Shard.
+    Shard. ``chunk_bounds[r] = (start, end)`` fixes the range rank ``r`` ends with (together
+    a partition of the tensor, e.g. FSDP's ``[r·S, (r+1)·S)``); only schedules in which
+    every rank completes exactly one chunk allow it (``ring``, power-of-two ``butterfly``).
+    ``residual`` as in :func:`allreduce`; ``return_bound=True`` puts the certified
+    per-element bound of ``values`` (fp64, before ``avg``'s division) in ``stats.bound``.
     """
     _check_tensor(tensor)
     op = _op_name(op)
@@ -365,7 +397,9 @@ def reduce_scatter(
     c = get_codec(codec)
     sched = get_schedule(schedule, tr.world_size, **(schedule_options or {}))
     numel = tensor.numel()
-    chunks, ranges = _owned_ranges(sched, c, numel, sub_chunk, tr.rank)
+    per_chunk = None if chunk_bounds is None else _bounds_by_chunk(sched, chunk_bounds)
+    chunks, ranges = _owned_ranges(sched, c, numel, sub_chunk, tr.rank, per_chunk)
+    extra = {} if per_chunk is None else {"chunk_bounds": per_chunk}
 
     def run() -> Shard:
         res = run_schedule(
@@ -379,13 +413,25 @@ def reduce_scatter(
             timeout=timeout,
             rounds=(0, sched.reduce_rounds),
             outputs=chunks,
-            descriptor={"op": op, "dtype": str(tensor.dtype), "collective": "reduce_scatter"},
+            descriptor={
+                "op": op,
+                "dtype": str(tensor.dtype),
+                "collective": "reduce_scatter",
+                **extra,
+            },
+            residual=residual,
+            chunk_bounds=per_chunk,
+            return_bound=return_bound,
         )
         parts = [res.output[a:b] for a, b in ranges]
         values = torch.cat(parts) if parts else torch.empty(0)
         if op == "avg":
             values = values / tr.world_size
-        return Shard(values, ranges, numel, AllReduceStats.from_result(res, c, sched))
+        stats = AllReduceStats.from_result(res, c, sched)
+        if res.bound is not None:
+            bparts = [res.bound[a:b] for a, b in ranges]
+            stats.bound = torch.cat(bparts) if bparts else torch.empty(0, dtype=torch.float64)
+        return Shard(values, ranges, numel, stats)
 
     return AllReduceHandle(run) if async_op else run()
 

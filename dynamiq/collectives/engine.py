@@ -132,6 +132,7 @@ class RunConfig:
     outputs: Sequence[int] | None = None
     inplace: bool = False
     overlap: bool | None = None
+    chunk_bounds: Sequence[tuple[int, int]] | None = None  # one [start, end) per chunk
 
 
 # -- per-chunk state, incoming and outgoing pieces ---------------------------------------------
@@ -335,7 +336,9 @@ class ScheduleRun:
             self.schedule, self.codec, seed=cfg.seed, step=cfg.step, rounds=cfg.rounds
         )
         self.plan = plan[self.rank]
-        _, self.pieces = chunk_layout(x.numel(), self.schedule, self.codec, cfg.sub_chunk)
+        _, self.pieces = chunk_layout(
+            x.numel(), self.schedule, self.codec, cfg.sub_chunk, cfg.chunk_bounds
+        )
         # raw values (fp32), updated in place
         if cfg.inplace and x.dtype == torch.float32 and x.is_contiguous():
             self.work = x.detach()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ __all__ = [
     "RoundOps",
     "RoundPlan",
     "SendOp",
+    "check_bounds",
     "chunk_bounds",
     "chunk_layout",
     "plan_schedule",
@@ -297,11 +298,41 @@ def _pieces(start: int, end: int, sub: int) -> list[tuple[int, int]]:
 
 
 def chunk_layout(
-    numel: int, schedule: Schedule, codec: Codec, sub_chunk: int
+    numel: int,
+    schedule: Schedule,
+    codec: Codec,
+    sub_chunk: int,
+    bounds: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[list[tuple[int, int]], list[list[tuple[int, int]]]]:
-    """Chunk bounds and each chunk's sub-chunks, aligned to every codec's block size."""
+    """Chunk bounds and each chunk's sub-chunks, aligned to every codec's block size.
+
+    ``bounds`` (one ``[start, end)`` per chunk, together a partition of ``[0, numel)``, in
+    any order) replaces the even cut: sub-chunks, and so the codecs' blocks, then start at
+    each chunk's own start (a chunk's last block may be partial, its padding sent as bytes).
+    """
     codecs = [codec] + [get_codec(c) for c in schedule.codecs()]
     align = math.lcm(*(c.block_size for c in codecs))
     sub = max(align, sub_chunk // align * align)
-    bounds = chunk_bounds(numel, schedule.num_chunks, align)
+    if bounds is None:
+        bounds = chunk_bounds(numel, schedule.num_chunks, align)
+    else:
+        bounds = check_bounds(bounds, numel, schedule.num_chunks)
     return bounds, [_pieces(a, b, sub) for a, b in bounds]
+
+
+def check_bounds(
+    bounds: Sequence[tuple[int, int]], numel: int, num_chunks: int
+) -> list[tuple[int, int]]:
+    """``bounds`` as a list of int pairs; raises unless they partition ``[0, numel)`` into
+    ``num_chunks`` ranges."""
+    out = [(int(a), int(b)) for a, b in bounds]
+    if len(out) != num_chunks:
+        raise ValueError(f"chunk_bounds has {len(out)} ranges, the schedule {num_chunks} chunks")
+    pos = 0
+    for a, b in sorted(out):
+        if a != pos or b < a:
+            raise ValueError(f"chunk_bounds {out} do not partition [0, {numel})")
+        pos = b
+    if pos != numel:
+        raise ValueError(f"chunk_bounds {out} do not partition [0, {numel})")
+    return out

@@ -1,0 +1,328 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): a compressed reduce-scatter of gradients.
+
+One line in a training script, after ``fully_shard``::
+
+    state = dynamiq.fsdp.compress(model, codec="dynamiq", schedule="ring")
+
+FSDP2 reduce-scatters each FSDP module's flat gradient once per backward through the module's
+``ReduceScatter`` comm (``torch.distributed.fsdp._fully_shard._fsdp_api``); :func:`compress`
+gives *every* FSDP module under ``model`` a :class:`DynamiqReduceScatter` (FSDP uses the comm
+only of the module it is set on: setting it on the root alone changes nothing). Each call runs
+:func:`dynamiq.collectives.reduce_scatter` with caller-given chunk bounds, so rank ``r`` ends
+with exactly the elements ``[r·S, (r+1)·S)`` FSDP expects.
+
+Semantics of ``op``: ``SUM``, ``AVG`` (divide by the world size after the sum) and
+``ReduceOp.PREMUL_SUM(f)`` (what FSDP passes when ``set_gradient_divide_factor`` differs from
+the world size; the sum is multiplied by ``f`` after it, which equals the pre-multiplied sum
+up to one fp32 rounding). The input may be fp32 or bf16 (``MixedPrecisionPolicy.reduce_dtype``):
+the engine sums in fp32 and the result is rounded once to the output's dtype.
+
+Memory and limits:
+
+* ``error_feedback=True`` keeps, per FSDP module, what every encoding of this rank lost. In a
+  ring every rank re-encodes partial sums of every chunk, so this residual is the whole
+  *unsharded* gradient in fp32 (4 bytes a parameter on every rank: more than the sharded
+  parameters, gradients and Adam state together at 8 ranks). ``error_feedback="shard"`` keeps
+  only the rank's own range (4·S bytes): the error of the final encoding of its shard, the
+  one the result carries; the partial sums' errors are dropped.
+* The call blocks the backward thread until the shard is done (FSDP passes no ``async_op``).
+  On CUDA it is host-driven too (it does not enqueue on FSDP's reduce-scatter stream).
+* HSDP (a replicate mesh dimension): the reduce-scatter over the shard group is compressed
+  only if ``process_group`` is that group; FSDP's all-reduce across replicas is not.
+* A module FSDP gives several parameter groups (``shard_placement_fn`` with several meshes)
+  cannot take a custom comm: :func:`compress` raises naming it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from dynamiq.codecs import get_codec
+from dynamiq.collectives.api import DEFAULT_THRESHOLD, Shard, _bounds_by_chunk, reduce_scatter
+from dynamiq.collectives.engine import agree
+from dynamiq.collectives.schedules import Schedule, get_schedule
+from dynamiq.collectives.transport import TorchDistTransport
+
+__all__ = ["DynamiqReduceScatter", "FSDPState", "compress"]
+
+_EF_MODES = (False, True, "shard")
+
+
+def _op_of(op: Any) -> tuple[str, float]:
+    """``("sum" | "avg", factor)`` of a ``ReduceOp`` (``PREMUL_SUM(f)``: ``("sum", f)``)."""
+    kind = getattr(op, "op", op)  # a ReduceOp object wraps its RedOpType
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if not isinstance(factor, float | int):
+            raise ValueError(f"PREMUL_SUM with a tensor factor is not supported (got {factor!r})")
+        return "sum", float(factor)
+    if kind == dist.ReduceOp.SUM:
+        return "sum", 1.0
+    if kind == dist.ReduceOp.AVG:
+        return "avg", 1.0
+    raise ValueError(f"dynamiq.fsdp: op must be SUM, AVG or PREMUL_SUM (got {op!r})")
+
+
+class FSDPState:
+    """Configuration, persistent transport, error-feedback memory and statistics of the
+    comms :func:`compress` installs (one state for all FSDP modules of a model).
+
+    ``stats`` holds one dict per reduce-scatter call (``module``, ``call``, ``numel``, bytes
+    sent and received, seconds per phase); ``calls`` counts the calls of each module;
+    ``bounds`` (``return_bound=True``) the certified per-element bound of each module's last
+    output shard (fp64, in the output's units, including its rounding to the output dtype).
+    """
+
+    def __init__(
+        self,
+        codec: Any = "dynamiq",
+        schedule: str | Schedule = "ring",
+        process_group: Any = None,
+        *,
+        error_feedback: bool | str = False,
+        seed: int = 0,
+        threshold: int = DEFAULT_THRESHOLD,
+        sub_chunk: int = 1 << 18,
+        timeout: float = 300.0,
+        return_bound: bool = False,
+        schedule_options: dict[str, Any] | None = None,
+    ):
+        if error_feedback not in _EF_MODES:
+            raise ValueError(
+                f"error_feedback must be False, True or 'shard' (got {error_feedback!r})"
+            )
+        self.codec = get_codec(codec)
+        self.schedule = schedule
+        self.schedule_options = dict(schedule_options or {})
+        if process_group is None:  # dynamiq's point-to-point traffic apart from FSDP's own
+            process_group = dist.new_group(backend=dist.get_backend())
+        self.process_group = process_group
+        self.transport = TorchDistTransport(process_group)
+        # fail here, not in the first backward, on a schedule that cannot own FSDP's ranges
+        n = self.transport.world_size
+        _bounds_by_chunk(get_schedule(schedule, n, **self.schedule_options), [(0, 0)] * n)
+        self.error_feedback = error_feedback
+        self.seed = seed
+        self.threshold = threshold
+        self.sub_chunk = sub_chunk
+        self.timeout = timeout
+        self.return_bound = return_bound
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.calls: dict[str, int] = {}
+        self.bounds: dict[str, torch.Tensor] = {}
+        self.stats: list[dict[str, Any]] = []
+        self.comms: dict[str, DynamiqReduceScatter] = {}
+        self._lock = threading.Lock()
+
+    def describe(self) -> dict[str, Any]:
+        """What every rank must agree on (checked by :func:`compress`)."""
+        sched = self.schedule if isinstance(self.schedule, str) else self.schedule.digest()
+        return {
+            "dynamiq.fsdp": 1,
+            "codec": self.codec.get_config(),
+            "schedule": sched,
+            "schedule_options": self.schedule_options,
+            "error_feedback": self.error_feedback,
+            "seed": self.seed,
+            "threshold": self.threshold,
+            "sub_chunk": self.sub_chunk,
+            "return_bound": self.return_bound,
+            "modules": sorted(self.comms),
+        }
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Call counters (the codecs' step) and error-feedback residuals, for checkpoints."""
+        with self._lock:
+            return {
+                "codec": self.codec.get_config(),
+                "error_feedback": self.error_feedback,
+                "calls": dict(self.calls),
+                "residuals": {k: v.clone() for k, v in self.residuals.items()},
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (codec and error-feedback mode must match)."""
+        if get_codec(state["codec"]) != self.codec:
+            raise ValueError(
+                f"checkpoint was made with codec {state['codec']}, this state uses "
+                f"{self.codec.get_config()}"
+            )
+        if state["error_feedback"] != self.error_feedback:
+            raise ValueError(
+                f"checkpoint has error_feedback={state['error_feedback']!r}, this state "
+                f"{self.error_feedback!r}"
+            )
+        with self._lock:
+            self.calls = {str(k): int(v) for k, v in state["calls"].items()}
+            self.residuals = {str(k): v.clone() for k, v in state["residuals"].items()}
+
+
+class DynamiqReduceScatter(ReduceScatter):
+    """FSDP2's ``ReduceScatter`` comm backed by :func:`dynamiq.collectives.reduce_scatter`,
+    for the FSDP module ``name`` (the ``index``-th one :func:`compress` found)."""
+
+    def __init__(self, state: FSDPState, name: str, index: int):
+        self.state = state
+        self.name = name
+        self.index = index
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _check(self, output: torch.Tensor, inp: torch.Tensor, group: Any) -> int:
+        st = self.state
+        n = st.transport.world_size
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        mine = dist.get_process_group_ranks(st.process_group)
+        if ranks is not None and list(ranks) != list(mine):
+            raise ValueError(
+                f"dynamiq.fsdp: FSDP module {self.name!r} reduce-scatters over ranks {ranks}, "
+                f"the state's process_group has ranks {mine} (HSDP: pass the shard group as "
+                "process_group; the all-reduce across replicas is not compressed)"
+            )
+        s = output.numel()
+        if inp.numel() != n * s:
+            raise ValueError(
+                f"dynamiq.fsdp: module {self.name!r}: input has {inp.numel()} elements, "
+                f"output {s}, world size {n}"
+            )
+        return s
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        """Reduce-scatter ``input_tensor`` into ``output_tensor`` (this rank's ``[r·S,
+        (r+1)·S)``); runs to completion (``async_op`` is accepted and ignored)."""
+        t0 = time.perf_counter()
+        st = self.state
+        s = self._check(output_tensor, input_tensor, group)
+        how, factor = _op_of(op)
+        r, n = st.transport.rank, st.transport.world_size
+        x = input_tensor.reshape(-1)
+        with st._lock:
+            step = st.calls.get(self.name, 0)
+            st.calls[self.name] = step + 1
+            old = st.residuals.get(self.name)
+        residual = None
+        if st.error_feedback:
+            x = x.float()  # a copy for bf16 input; fp32 input is copied by the add below
+            if st.error_feedback == "shard":
+                if old is not None and old.numel() == s:
+                    x = x.clone()
+                    x[r * s : (r + 1) * s] += old
+            elif old is not None and old.numel() == x.numel():
+                x = x + old
+            residual = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
+        codec = st.codec if x.numel() >= st.threshold else get_codec("fp32")
+        shard = reduce_scatter(
+            x,
+            codec,
+            st.schedule,
+            seed=st.seed ^ (self.index << 20),
+            step=step,
+            op="sum",
+            sub_chunk=st.sub_chunk,
+            timeout=st.timeout,
+            transport=st.transport,
+            schedule_options=st.schedule_options,
+            chunk_bounds=[(q * s, (q + 1) * s) for q in range(n)],
+            residual=residual,
+            return_bound=st.return_bound,
+        )
+        assert isinstance(shard, Shard)  # synchronous
+        self._finish(output_tensor, shard, how, factor, n)
+        if residual is not None:
+            keep = (
+                residual[r * s : (r + 1) * s].clone() if st.error_feedback == "shard" else residual
+            )
+            with st._lock:
+                st.residuals[self.name] = keep
+        stats = shard.stats
+        assert stats is not None
+        with st._lock:
+            st.stats.append(
+                {
+                    "module": self.name,
+                    "call": step,
+                    "op": how if factor == 1.0 else f"premul_sum({factor!r})",
+                    "numel": x.numel(),
+                    "codec": stats.codec,
+                    "bytes_sent": stats.bytes_sent,
+                    "bytes_received": stats.bytes_received,
+                    "seconds": {**stats.seconds, "comm_total": time.perf_counter() - t0},
+                }
+            )
+        return None
+
+    def _finish(self, out: torch.Tensor, shard: Shard, how: str, factor: float, n: int) -> None:
+        """Scale the fp32 sum (AVG: ``/n``; PREMUL_SUM: ``×f``), round it to the output
+        dtype into ``out``, and extend the certified bound by each rounding."""
+        v = shard.values
+        bound = shard.stats.bound if shard.stats is not None else None
+        scale = factor / n if how == "avg" else factor
+        if scale != 1.0:
+            v = v / n if how == "avg" and factor == 1.0 else v * scale
+            if bound is not None:
+                bound = bound * abs(scale) + v.double().abs() * 2.0**-24 + 2.0**-150
+        cast = v.to(out.dtype)
+        if bound is not None:
+            bound = bound + (cast.double() - v.double()).abs()
+            with self.state._lock:
+                self.state.bounds[self.name] = bound
+        out.view(-1).copy_(cast)
+
+
+def _fsdp_modules(module: torch.nn.Module) -> list[tuple[str, FSDPModule]]:
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+
+
+def compress(
+    module: torch.nn.Module,
+    codec: Any = "dynamiq",
+    schedule: str | Schedule = "ring",
+    **options: Any,
+) -> FSDPState:
+    """Give every FSDP module under ``module`` (``module`` included) a compressed
+    reduce-scatter; returns the :class:`FSDPState` (statistics, ``state_dict``).
+
+    ``options``: the keyword arguments of :class:`FSDPState` (``process_group``,
+    ``error_feedback``, ``seed``, ``threshold``, ``sub_chunk``, ``timeout``, ``return_bound``,
+    ``schedule_options``). Collective: call it on every rank, after ``fully_shard``; ranks
+    that disagree on the configuration raise :class:`ConfigMismatchError` here.
+    """
+    found = _fsdp_modules(module)
+    if not found:
+        raise ValueError(
+            f"dynamiq.fsdp.compress: no FSDP module under {type(module).__name__} "
+            "(call torch.distributed.fsdp.fully_shard on it and its blocks first)"
+        )
+    state = FSDPState(codec, schedule, **options)
+    for index, (name, m) in enumerate(found):
+        label = name or "<root>"
+        comm = DynamiqReduceScatter(state, label, index)
+        try:
+            m.set_custom_reduce_scatter(comm)
+        except ValueError as exc:
+            raise ValueError(
+                f"dynamiq.fsdp.compress: FSDP module {label!r} ({type(m).__name__}) cannot "
+                f"take a custom reduce-scatter: {exc}"
+            ) from exc
+        state.comms[label] = comm
+    nccl = dist.get_backend(state.process_group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    agree(state.transport, state.describe(), state.timeout, device)
+    return state
