@@ -41,7 +41,9 @@ from dynamiq.codecs.intq import IntCodec
 from dynamiq.codecs.mx import MXFP4, MXFP6E2M3, MXFP6E3M2, MXFP8E4M3, MXFP8E5M2, MXINT8
 from dynamiq.codecs.passthrough import BF16Codec, FP16Codec, FP32Codec
 
-from .engine import WIRE_VERSION, EngineResult, PrologueComm, _group_size, _slack
+from .bounds import fp32_add_slack as _slack
+from .bounds import group_size as _group_size
+from .engine import WIRE_VERSION, EngineResult, PrologueComm
 from .planning import CtxKey, Plan, chunk_layout
 from .schedules import Schedule
 from .transport import LocalCluster, run_threads
