@@ -84,7 +84,7 @@ class DynamiqState:
         timeout: float = 300.0,
         schedule_options: dict[str, Any] | None = None,
     ):
-        if not (dist.is_available() and dist.is_initialized()):
+        if process_group is None and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "DynamiqState needs an initialised torch.distributed process group: call "
                 "torch.distributed.init_process_group() first (e.g. under torchrun)"

@@ -1,14 +1,18 @@
 """The ``dynamiq`` command line (docs/design.md, "CLI").
 
 ``dynamiq codecs`` prints the codec table (id, bits/value, bound formula, unbiased);
-``dynamiq demo`` prints it and measures every codec on the committed slice of real gradients.
-Every command takes ``--json`` for machine-readable output.
+``dynamiq demo`` prints it and measures every codec on the committed slice of real gradients;
+``dynamiq compare`` and ``dynamiq bench kernels|cluster|train`` measure. Every command takes
+``--json`` for machine-readable output, with identifier keys (:mod:`dynamiq.bench.args`).
+
+Each subcommand's parser carries a ``check`` (its arguments, all of them, before any work:
+data, models and clusters are built only after it passed) and a ``func`` (the work); an
+argument error prints the subcommand's usage and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -16,7 +20,8 @@ from typing import Any
 
 import torch
 
-from dynamiq.codecs import HopContext, UnknownCodecError, get_codec, list_codecs
+from dynamiq.bench.args import check_int, parse_codecs, parse_ints, parse_schedules, print_json
+from dynamiq.codecs import HopContext, get_codec, list_codecs
 
 __all__ = ["codec_table", "main", "markdown_table", "slice_errors"]
 
@@ -63,9 +68,9 @@ def slice_errors(grads: torch.Tensor, names: Sequence[str] | None = None) -> lis
 
     * ``vnmse``: one-shot ``Σ‖x̂ - x‖² / Σ‖x‖²`` over the workers' gradients;
     * ``bound use``: the largest ``|x̂ - x| / max_abs_error(x)`` seen (<= 1: the bound holds);
-    * ``chain vnmse``: the workers' gradients summed along a chain of ``reduce`` hops
-      (decompress, add the next worker's gradient, recompress; what one chunk sees in a ring),
-      against the fp64 sum.
+    * ``chain vnmse``: the workers' gradients summed along a chain of ``chain hops`` fused
+      ``reduce`` hops (decompress, add the next worker's gradient, recompress; what one chunk
+      sees in a ring), against the fp64 sum.
     """
     rows = []
     workers, n = grads.shape
@@ -101,7 +106,8 @@ def slice_errors(grads: torch.Tensor, names: Sequence[str] | None = None) -> lis
                 "bits/value": codec.bits_per_value(),
                 "vnmse": sq_err / sq,
                 "bound use": round(use, 4),
-                f"chain vnmse ({hops} hops)": chain,
+                "chain vnmse": chain,
+                "chain hops": hops,
                 "seconds": time.perf_counter() - t0,
             }
         )
@@ -125,7 +131,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 def _print_rows(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """JSON, Markdown or a text table, as the command's flags ask."""
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print_json(rows)
     elif getattr(args, "markdown", False):
         print(markdown_table(rows))
     else:
@@ -179,17 +185,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     held = all(r["bound use"] <= 1.0 for r in rows)
     same = all(r["bit-identical"] for r in mp_rows)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "codecs": table,
-                    "slice_stats": stats,
-                    "allreduce": mp_rows,
-                    "errors": rows,
-                },
-                indent=2,
-            )
-        )
+        print_json({"codecs": table, "slice_stats": stats, "allreduce": mp_rows, "errors": rows})
         return 0 if held and same else 1
     print(format_table(rows, [c for c in rows[0] if c != "seconds"]))
     verdict = "every certified bound held" if held else "A CERTIFIED BOUND WAS EXCEEDED"
@@ -210,23 +206,78 @@ def _progress(text: str) -> None:
     print("\r" + " " * 60 + "\r" + text, end="", file=sys.stderr, flush=True)
 
 
+# -- argument checks: everything, before any work ---------------------------------------------
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+    from dynamiq.data import load_slice
+
+    workers = load_slice().shape[0]  # the committed slice (package data, 1 MB)
+    check_int("--world-size", args.world_size, 2, workers)
+    if workers % args.world_size:
+        raise ValueError(
+            f"--world-size must divide the slice's {workers} workers (got {args.world_size})"
+        )
+
+
+def _check_compare(args: argparse.Namespace) -> None:
+    from dynamiq.data import DataConfig
+    from dynamiq.data.corpus import SPLITS
+
+    args.world_sizes = parse_ints(args.workers, "--workers", 1, DataConfig().max_workers)
+    args.codec_specs = parse_codecs(args.codecs) or list_codecs()
+    args.schedule_names = parse_schedules(args.schedules, args.world_sizes)
+    check_int("--seeds", args.seeds, 1)
+    check_int("--numel", args.numel, 0)
+    if args.split not in SPLITS:
+        raise ValueError(f"--split must be one of {', '.join(SPLITS)} (got {args.split!r})")
+    if args.plot:
+        _check_plot(args.plot)
+
+
+def _check_plot(path: str) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib (pip install 'dynamiq-allreduce[bench]')")
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise ValueError(f"--plot: directory {str(parent)!r} does not exist")
+
+
+def _check_bench_kernels(args: argparse.Namespace) -> None:
+    args.codec_specs = parse_codecs(args.codecs)
+    if not args.codec_specs:
+        raise ValueError("--codecs must name at least one codec")
+    check_int("--numel", args.numel, 1)
+    check_int("--iters", args.iters, 1)
+    check_int("--burst", args.burst, 1)
+    if args.device not in ("", "cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda (got {args.device!r})")
+    if args.device == "cuda" and not _cuda():
+        raise ValueError("--device cuda: no CUDA device is available")
+
+
+def _no_check(args: argparse.Namespace) -> None:
+    return None
+
+
+# -- the commands -----------------------------------------------------------------------------
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from dynamiq.bench.compare import compare
     from dynamiq.data import load_gradients
 
-    workers = [int(w) for w in args.workers.split(",")]
-    grads = load_gradients(args.split, max(workers), progress=not args.quiet)
+    grads = load_gradients(args.split, max(args.world_sizes), progress=not args.quiet)
     if args.numel:
         grads = grads[:, : args.numel]
-    if args.codecs.lstrip().startswith("["):
-        codecs = json.loads(args.codecs)  # a JSON list of ids and configs
-    else:
-        codecs = args.codecs.split(",") if args.codecs else list_codecs()
     rows = compare(
         grads,
-        codecs,
-        args.schedules.split(","),
-        workers,
+        args.codec_specs,
+        args.schedule_names,
+        args.world_sizes,
         range(args.seeds),
         progress=not args.quiet,
     )
@@ -243,9 +294,8 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
     from dynamiq.bench.kernels import bench_kernels
 
     device = args.device or ("cuda" if _cuda() else "cpu")
-    codecs = args.codecs.split(",")
     rows = bench_kernels(
-        codecs,
+        args.codec_specs,
         args.numel,
         device,
         iters=args.iters,
@@ -264,15 +314,17 @@ def _cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="dynamiq",
-        description="Compressed multi-hop gradient all-reduce: codecs, kernels, benchmarks.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser(
+# -- the parser -------------------------------------------------------------------------------
+
+_CODECS_HELP = "list the registered codecs: bits/value, certified error bound, unbiased"
+_DEMO_HELP = "a showcase: codec table, a real multi-process all-reduce, errors on real gradients"
+_COMPARE_HELP = "vNMSE and bits/value of codecs x schedules x world sizes on real gradients"
+_KERNELS_HELP = "fused reduce vs unfused vs the memory roofline"
+
+
+def _add_codecs(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
         "codecs",
-        help="list the registered codecs",
         description="Table of every registered codec: id, wire bits per value (1M values, "
         "all metadata counted), whether it is unbiased, and its certified per-element error "
         "bound.",
@@ -281,10 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--markdown", action="store_true", help="print a Markdown table (as in docs/codecs.md)"
     )
-    p.set_defaults(func=_cmd_codecs)
-    p = sub.add_parser(
+    p.set_defaults(func=_cmd_codecs, check=_no_check)
+    return p
+
+
+def _add_demo(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
         "demo",
-        help="a short showcase: codec table, a real multi-process all-reduce, a comparison",
         description="Print the codec table; run a real compressed all-reduce of real "
         "transformer gradients across processes on loopback (torch.distributed, gloo) with "
         "several codecs and schedules (bytes sent, bits/value, vNMSE, bit-identical ranks); "
@@ -299,10 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         help="processes in the real all-reduce (must divide the slice's 8 workers; default 4)",
     )
-    p.set_defaults(func=_cmd_demo)
-    p = sub.add_parser(
+    p.set_defaults(func=_cmd_demo, check=_check_demo)
+    return p
+
+
+def _add_compare(sub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
         "compare",
-        help="vNMSE and bits/value of codecs x schedules x world sizes on real gradients",
         description="Simulate the all-reduce of the real-gradient data set (python -m "
         "dynamiq.data; generated and cached on first use, minutes) with every codec, schedule "
         "and world size, through the same engine that runs over torch.distributed. vNMSE is "
@@ -329,12 +387,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write a PNG: vNMSE against bits/value, one panel per schedule and world "
         "size, one line per codec family (needs matplotlib)",
     )
-    p.set_defaults(func=_cmd_compare)
-    bench = sub.add_parser("bench", help="benchmarks (kernels)")
-    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    p = bsub.add_parser(
+    p.set_defaults(func=_cmd_compare, check=_check_compare)
+    return p
+
+
+def _add_bench_kernels(bsub: Any) -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = bsub.add_parser(
         "kernels",
-        help="fused reduce vs unfused vs the memory roofline",
+        help=_KERNELS_HELP,
         description="For each codec: the fused decompress-accumulate-recompress reduce "
         "(Triton on CUDA; the native C++ kernels on the CPU, or torch.compile with "
         "--compile) against the unfused decode + add + encode on the same device, and "
@@ -364,27 +424,74 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile", action="store_true", help="CPU: the opt-in torch.compile path instead"
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_cmd_bench_kernels)
-    from dynamiq.bench import cluster as _cluster
+    p.set_defaults(func=_cmd_bench_kernels, check=_check_bench_kernels)
+    return p
 
-    _cluster.add_parser(bsub)  # `dynamiq bench cluster` (dynamiq/bench/cluster.py)
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dynamiq`` parser; every leaf parser has ``func``, ``check`` and ``parser``."""
+    from dynamiq.bench import cluster as _cluster
     from dynamiq.bench import train as _train
 
-    _train.add_parser(bsub)  # `dynamiq bench train` (dynamiq/bench/train.py)
+    commands = [
+        ("codecs", _CODECS_HELP),
+        ("demo", _DEMO_HELP),
+        ("compare", _COMPARE_HELP),
+        ("bench kernels", _KERNELS_HELP),
+        ("bench cluster", _cluster.HELP),
+        ("bench train", _train.HELP),
+    ]
+    width = max(len(c) for c, _ in commands) + len("dynamiq ")
+    parser = argparse.ArgumentParser(
+        prog="dynamiq",
+        description="Compressed multi-hop gradient all-reduce: codecs, kernels, benchmarks.",
+        epilog="commands:\n"
+        + "\n".join(f"  {'dynamiq ' + c:<{width}}  {h}" for c, h in commands)
+        + "\n\n`dynamiq COMMAND --help` describes a command and its options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    # the commands are listed once, in the epilog, with the `bench` ones
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="one of the commands below"
+    )
+    leaves = [_add_codecs(sub), _add_demo(sub), _add_compare(sub)]
+    bench = sub.add_parser(
+        "bench",
+        description="Benchmarks whose results go into docs/benchmarks.md: kernels (fused "
+        "reduce speed), cluster (all-reduce time on an emulated cluster), train (time to "
+        "accuracy).",
+    )
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    leaves.append(_add_bench_kernels(bsub))
+    leaves.append(_cluster.add_parser(bsub))  # `dynamiq bench cluster` (dynamiq/bench/cluster.py)
+    leaves.append(_train.add_parser(bsub))  # `dynamiq bench train` (dynamiq/bench/train.py)
+    for leaf in leaves:
+        leaf.set_defaults(parser=leaf)
     return parser
+
+
+def _usage_error(parser: argparse.ArgumentParser, message: str) -> int:
+    """What ``parser.error`` prints (the subcommand's usage, then the error), as status 2."""
+    parser.print_usage(sys.stderr)
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dynamiq`` console script."""
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    command: argparse.ArgumentParser = args.parser
+    if extra:
+        return _usage_error(command, f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        args.check(args)
+    except (ValueError, ImportError) as e:  # UnknownCodecError, ScheduleError: named problems
+        return _usage_error(command, str(e))
     try:
         return int(args.func(args))
     except BrokenPipeError:  # `dynamiq codecs | head`
         sys.stderr.close()
         return 0
-    except UnknownCodecError as e:  # a typo in --codecs: the message lists the known ids
-        print(f"dynamiq: error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":

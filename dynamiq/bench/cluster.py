@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dynamiq.bench.args import parse_codecs, print_json, split_list
 from dynamiq.bench.netns import EmulatedCluster, NamespaceUnavailable, check_available, parse_rate
 
 __all__ = [
@@ -423,18 +425,15 @@ def markdown_report(result: dict[str, Any]) -> str:
 # -- command line -----------------------------------------------------------------------------
 
 
-def _split(text: str) -> tuple[Any, ...]:
-    text = text.strip()
-    if text.startswith("["):
-        return tuple(json.loads(text))
-    return tuple(t.strip() for t in text.split(",") if t.strip())
+#: the one-line help of ``dynamiq bench cluster``
+HELP = "all-reduce time on an emulated bandwidth-limited cluster (root; namespaces)"
 
 
 def add_parser(bsub: Any) -> argparse.ArgumentParser:
     """Add ``cluster`` to the ``dynamiq bench`` sub-commands."""
     p: argparse.ArgumentParser = bsub.add_parser(
         "cluster",
-        help="all-reduce time on an emulated bandwidth-limited cluster (root; namespaces)",
+        help=HELP,
         description="Build an emulated cluster on this machine: RANKS processes, each in its "
         "own network namespace, joined by a bridge through veth links shaped with tc to RATE "
         "in each direction (netem with the delay where the kernel has it, else tbf: rate "
@@ -538,46 +537,55 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(func=cmd_cluster)
+    p.set_defaults(func=cmd_cluster, check=check_args)
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every argument of ``dynamiq bench cluster``, before anything is built: raises
+    ``ValueError`` naming the problem; sets ``args.cluster_config``."""
+    sysctls = []
+    for item in args.sysctl:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--sysctl takes KEY=VALUE (got {item!r})")
+        sysctls.append((key.strip(), value.strip()))
+    if not (math.isfinite(args.size_mib) and args.size_mib > 0):
+        raise ValueError(f"--size-mib must be a positive number (got {args.size_mib})")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a positive number of seconds (got {args.timeout})")
+    if args.sub_chunk < 1:
+        raise ValueError(f"--sub-chunk must be >= 1 (got {args.sub_chunk})")
+    args.cluster_config = ClusterBenchConfig(
+        ranks=args.ranks,
+        rates=tuple(split_list(args.rate)),
+        delay_ms=args.delay_ms,
+        numel=int(args.size_mib * 2**20) // 4,
+        codecs=tuple(parse_codecs(args.codecs)),
+        schedules=tuple(split_list(args.schedules)),
+        baselines=tuple(split_list(args.baselines)),
+        warmup=args.warmup,
+        repeats=args.repeats,
+        data=args.data,
+        seed=args.seed,
+        sub_chunk=args.sub_chunk,
+        threads=args.threads,
+        compile=args.compile,
+        timeout=args.timeout,
+        sysctls=tuple(sysctls),
+    )
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
-    """``dynamiq bench cluster``: exit 0, 1 (a rank failed) or 2 (not permitted here)."""
+    """``dynamiq bench cluster`` (arguments checked by :func:`check_args`): exit 0, 1 (a rank
+    failed) or 2 (not permitted here)."""
+    cfg = args.cluster_config
     try:
         check_available()
     except NamespaceUnavailable as exc:
         print(
             f"dynamiq bench cluster: cannot build the emulated cluster here: {exc}", file=sys.stderr
         )
-        return 2
-    try:
-        sysctls = []
-        for item in args.sysctl:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"--sysctl takes KEY=VALUE (got {item!r})")
-            sysctls.append((key.strip(), value.strip()))
-        cfg = ClusterBenchConfig(
-            ranks=args.ranks,
-            rates=_split(args.rate),
-            delay_ms=args.delay_ms,
-            numel=int(args.size_mib * 2**20) // 4,
-            codecs=_split(args.codecs),
-            schedules=_split(args.schedules),
-            baselines=_split(args.baselines),
-            warmup=args.warmup,
-            repeats=args.repeats,
-            data=args.data,
-            seed=args.seed,
-            sub_chunk=args.sub_chunk,
-            threads=args.threads,
-            compile=args.compile,
-            timeout=args.timeout,
-            sysctls=tuple(sysctls),
-        )
-    except ValueError as exc:
-        print(f"dynamiq bench cluster: {exc}", file=sys.stderr)
         return 2
     try:
         result = run_cluster_bench(cfg, progress=not args.quiet)
@@ -593,7 +601,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         )
         return 130
     if args.json:
-        print(json.dumps(result, indent=2))
+        print_json(result)
     elif args.markdown:
         print(markdown_report(result))
     else:

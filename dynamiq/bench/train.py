@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -62,6 +63,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dynamiq.bench.args import print_json
 from dynamiq.bench.train_emulated import RunResult, train_inprocess
 from dynamiq.bench.train_ranks import Progress, run_cluster, run_loopback, train_ddp
 from dynamiq.bench.train_report import plot_curves, plot_tta, summary_lines, table_rows
@@ -616,11 +618,15 @@ def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
+#: the one-line help of ``dynamiq bench train``
+HELP = "time-to-accuracy: training convergence x step time on the emulated cluster"
+
+
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``train`` to the ``dynamiq bench`` sub-commands."""
     p: argparse.ArgumentParser = sub.add_parser(
         "train",
-        help="time-to-accuracy: training convergence x step time on the emulated cluster",
+        help=HELP,
         description=(
             "Time to accuracy of gradient all-reduce methods. A byte-level transformer learns "
             "CPython's documentation with W data-parallel workers for each method: fp32 "
@@ -681,7 +687,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per multi-rank job")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    p.set_defaults(func=_cmd)
+    p.set_defaults(func=_cmd, check=check_args)
     return p
 
 
@@ -713,18 +719,28 @@ def _write_outputs(result: dict[str, Any], out: Path) -> None:
     result["files"] = [str(out / f) for f in files]
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every argument of ``dynamiq bench train``, before any model is built: raises
+    ``ValueError`` naming the problem; sets ``args.tta`` (config, seeds, methods, the saved
+    result of ``--convergence-from`` or ``None``)."""
+    cfg, nseeds = config_from_args(args)
+    methods = parse_methods(args.methods)
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ValueError(f"--timeout must be a positive number of seconds (got {args.timeout})")
+    saved = None
+    if args.convergence_from:
+        try:
+            saved = json.loads(Path(args.convergence_from).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read --convergence-from: {exc}") from None
+    args.tta = (cfg, nseeds, methods, saved)
+
+
 def _cmd(args: argparse.Namespace) -> int:
     from dynamiq.bench.cli import format_table
 
+    cfg, nseeds, methods, saved = args.tta
     try:
-        cfg, nseeds = config_from_args(args)
-        methods = parse_methods(args.methods)
-        saved = None
-        if args.convergence_from:
-            try:
-                saved = json.loads(Path(args.convergence_from).read_text())
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"cannot read --convergence-from: {exc}") from None
         result = run_benchmark(
             cfg,
             methods,
@@ -741,7 +757,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.out:
         _write_outputs(result, Path(args.out))
     if args.json:
-        print(json.dumps(result, indent=1))
+        print_json(result, indent=1)
     else:
         rows = table_rows(result)
         print(format_table(rows, list(rows[0])))

@@ -164,7 +164,8 @@ def test_steps_to_target() -> None:
 def test_bad_options_are_clear_errors(argv: list[str], message: str, capsys) -> None:
     assert main(["bench", "train", *argv, "--quiet", "--out", ""]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("dynamiq bench train: error: ") and message in err
+    assert err.startswith("usage: dynamiq bench train ")  # the subcommand's usage, then why
+    assert "\ndynamiq bench train: error: " in err and message in err
 
 
 def test_unavailable_cluster_says_what_to_do(monkeypatch) -> None:
