@@ -1,6 +1,12 @@
 """Real gradients for benchmarking compressed all-reduce codecs.
 
-A ~3.3M-parameter byte-level transformer (:mod:`dynamiq.data.model`) is trained
+Three model families (:mod:`dynamiq.data.families`), each trained from scratch
+on data that ships with a package: ``lm`` (the default, described below),
+``mlm`` (a BERT-style masked-LM encoder on the same text,
+:mod:`dynamiq.data.mlm`) and ``digits`` (a conv net on scikit-learn's bundled
+digits, :mod:`dynamiq.data.digits`). Every function below takes ``family``.
+
+For ``lm``, a ~3.3M-parameter byte-level transformer (:mod:`dynamiq.data.model`) is trained
 for a few hundred AdamW steps on text that ships with CPython (the
 ``pydoc_data.topics`` documentation and standard-library sources, see
 :mod:`dynamiq.data.corpus`); then each of ``W`` simulated data-parallel workers
@@ -16,15 +22,16 @@ Public API:
 
 * :func:`load_gradients` -- the full set, generated on first use (minutes on
   a 2-core CPU) and cached in ``$DYNAMIQ_CACHE`` or ``~/.cache/dynamiq``;
-* :func:`load_slice` -- a small committed ``[8, 32768]`` slice of the eval
-  set, shipped as package data (no cache, no generation);
+* :func:`load_slice` -- a small committed slice of the eval set (``[8, 32768]``
+  for ``lm``), shipped as package data (no cache, no generation);
 * :func:`gradient_stats` -- tail and spread statistics of a ``[W, N]`` array.
 
-``python -m dynamiq.data`` generates both splits and prints the statistics.
+``python -m dynamiq.data [--family NAME]`` generates both splits and prints the statistics.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from importlib import resources
@@ -34,23 +41,50 @@ import numpy as np
 import torch
 
 from dynamiq.data.corpus import SPLITS
+from dynamiq.data.digits import DigitsConfig
+from dynamiq.data.families import FAMILIES, Family, family_config, parse_families
 from dynamiq.data.gradients import DataConfig, default_cache_dir, load_or_generate
+from dynamiq.data.mlm import MLMConfig
 from dynamiq.data.model import ModelConfig
 
 __all__ = [
+    "FAMILIES",
     "SLICE_SHAPE",
     "SPLITS",
     "DataConfig",
+    "DigitsConfig",
+    "Family",
+    "MLMConfig",
     "ModelConfig",
     "default_cache_dir",
+    "family_config",
     "gradient_stats",
     "load_gradients",
     "load_slice",
     "load_slice_info",
+    "parse_families",
+    "slice_file",
 ]
 
+#: the shape of the ``lm`` family's slice
 SLICE_SHAPE: tuple[int, int] = (8, 32768)
-_SLICE_FILE = "slice.npz"
+
+
+def slice_file(family: str = "lm") -> str:
+    """File name (package data of :mod:`dynamiq.data`) of ``family``'s committed slice."""
+    family_config(family)  # raises on an unknown family
+    return "slice.npz" if family == "lm" else f"slice-{family}.npz"
+
+
+def _resolve(family: str, config: Family | None) -> Family:
+    if config is None:
+        return family_config(family)
+    if config.name != family:
+        raise ValueError(
+            f"config is a {config.name!r} configuration but family is {family!r}; "
+            f"pass family={config.name!r}"
+        )
+    return config
 
 
 def load_gradients(
@@ -60,14 +94,16 @@ def load_gradients(
     regenerate: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
-    config: DataConfig | None = None,
+    config: Family | None = None,
+    family: str = "lm",
 ) -> torch.Tensor:
-    """Per-worker real gradients as an fp32 tensor ``[workers, N]``.
+    """Per-worker real gradients of ``family`` as an fp32 tensor ``[workers, N]``.
 
     Row ``w`` is the flattened gradient (``named_parameters`` order, see the
-    ``params`` list of the cache's JSON metadata) of worker ``w``'s mean
-    next-byte loss on its own text shard at the trained weights; ``N`` is the
-    model's parameter count (3,323,648 for the default configuration).
+    ``params`` list of the cache's JSON metadata) of worker ``w``'s mean loss
+    on its own shard at the trained weights; ``N`` is the model's parameter
+    count (``lm``: 3,323,648, ``mlm``: 2,534,913, ``digits``: 548,746 for the
+    default configurations).
 
     Args:
         split: ``"eval"`` (for measuring) or ``"fit"`` (for fitting tables);
@@ -80,49 +116,67 @@ def load_gradients(
         cache_dir: cache directory; default ``$DYNAMIQ_CACHE`` or
             ``~/.cache/dynamiq``.
         progress: print progress (step, loss, elapsed) to stderr.
-        config: generation configuration; default :class:`DataConfig()`.
+        config: generation configuration; default: the family's defaults
+            (:class:`DataConfig`, :class:`MLMConfig`, :class:`DigitsConfig`).
+        family: ``"lm"`` (default), ``"mlm"`` or ``"digits"``.
 
     Raises:
-        ValueError: on an unknown split or an out-of-range worker count.
+        ValueError: on an unknown split or family, a config of another family,
+            or an out-of-range worker count.
     """
     if not isinstance(regenerate, bool):
         raise ValueError(f"regenerate must be a bool (got {regenerate!r})")
+    cfg = _resolve(family, config)
     grads, _ = load_or_generate(
-        split, workers, config, cache_dir=cache_dir, regenerate=regenerate, progress=progress
+        split, workers, cfg, cache_dir=cache_dir, regenerate=regenerate, progress=progress
     )
     return torch.from_numpy(grads)
 
 
-def _read_slice() -> dict[str, np.ndarray]:
-    ref = resources.files(__name__).joinpath(_SLICE_FILE)
+def _read_slice(family: str) -> dict[str, np.ndarray]:
+    ref = resources.files(__name__).joinpath(slice_file(family))
     with ref.open("rb") as f, np.load(f, allow_pickle=False) as npz:
         return {key: npz[key] for key in npz.files}
 
 
-def load_slice() -> torch.Tensor:
-    """The committed fp32 slice ``[8, 32768]`` of the eval gradients (package data).
+def load_slice(family: str = "lm") -> torch.Tensor:
+    """The committed fp32 slice ``[8, M]`` of ``family``'s eval gradients (package data).
 
-    The same 32768 coordinates of the first 8 eval workers: four groups of
-    8192 from the token embedding, an attention ``qkv`` weight, an MLP
-    ``fc1`` weight and the LayerNorm/bias parameters
-    (:func:`load_slice_info` gives the coordinates).
+    The same ``M`` coordinates of the first 8 eval workers. ``lm`` and ``mlm``
+    (``M`` = 32768): four groups of 8192 from the token embedding, an attention
+    ``qkv`` weight, an MLP ``fc1`` weight and the LayerNorm/bias parameters;
+    ``digits`` (``M`` = 30,314): the convolutions, ``fc1`` and the classifier
+    with every bias (:func:`load_slice_info` gives the coordinates).
     """
-    grads = _read_slice()["gradients"]
+    grads = _read_slice(family)["gradients"]
     return torch.from_numpy(np.ascontiguousarray(grads, dtype=np.float32))
 
 
-def load_slice_info() -> dict[str, Any]:
-    """Where the slice comes from.
+def load_slice_info(family: str = "lm") -> dict[str, Any]:
+    """Where ``family``'s slice comes from.
 
-    Returns a dict with ``indices`` (int64 ``[32768]``: flat coordinates into
+    Returns a dict with ``indices`` (int64 ``[M]``: flat coordinates into
     the ``N`` values of a worker row of :func:`load_gradients`), ``segments``
-    (name -> ``{"start": column of the slice, "params": parameter names}``
-    for ``embedding``, ``attention``, ``mlp`` and ``norm_bias``) and
-    ``source`` (split, workers, corpus hash, creation date, torch version).
+    (name -> ``{"start": column of the slice, "params": parameter names}``;
+    ``embedding``, ``attention``, ``mlp`` and ``norm_bias`` for ``lm``) and
+    ``source`` (split, workers, data hash, creation date, torch version).
+    Slices written with the families (all but ``lm``'s, which predates them)
+    also give ``numel`` (``N``), ``train_loss_curve`` (the loss of every
+    training step), ``worker_losses`` (of the 8 sliced workers) and
+    ``full_stats`` (:func:`gradient_stats` of the whole eval split the slice
+    was cut from).
     """
-    data = _read_slice()
+    data = _read_slice(family)
     names = [str(n) for n in data["segment_names"]]
     starts = [int(s) for s in data["segment_starts"]]
+    extras: dict[str, Any] = {}
+    if "train_loss_curve" in data:
+        extras = {
+            "numel": int(data["numel"]),
+            "train_loss_curve": [float(v) for v in data["train_loss_curve"]],
+            "worker_losses": [float(v) for v in data["worker_losses"]],
+            "full_stats": json.loads(str(data["full_stats"])),
+        }
     return {
         "indices": torch.from_numpy(data["indices"].astype(np.int64)),
         "segments": {
@@ -130,6 +184,7 @@ def load_slice_info() -> dict[str, Any]:
             for name, start, params in zip(names, starts, data["segment_params"], strict=True)
         },
         "source": str(data["source"]),
+        **extras,
     }
 
 

@@ -32,6 +32,7 @@ import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -91,6 +92,40 @@ class Corpus:
         """The training region as a ``uint8`` tensor."""
         lo, hi = self.regions["train"]
         return torch.frombuffer(bytearray(self.data[lo:hi]), dtype=torch.uint8)
+
+    @functools.cached_property
+    def _train_bytes(self) -> torch.Tensor:
+        return self.train_tensor()
+
+    def train_batch(self, gen: torch.Generator, size: int) -> torch.Tensor:
+        """``[size, window]`` int64 windows at uniform random offsets of the train region."""
+        text = self._train_bytes
+        if text.numel() < self.window:
+            raise ValueError(
+                f"train region must hold at least {self.window} bytes (got {text.numel()})"
+            )
+        starts = torch.randint(0, text.numel() - self.window + 1, (size,), generator=gen)
+        return text[starts[:, None] + torch.arange(self.window)].long()
+
+    def worker_examples(self, split: str, worker: int) -> torch.Tensor:
+        """Worker ``worker``'s batch of ``split`` (:meth:`worker_batch_tensor`)."""
+        return self.worker_batch_tensor(split, worker)
+
+    def worker_shard(self, split: str, worker: int) -> list[list[int]]:
+        """The ``[start, end)`` byte ranges of the worker's windows, as JSON-ready lists."""
+        return [[a, b] for a, b in self.worker_windows(split, worker)]
+
+    def describe(self) -> dict[str, Any]:
+        """Plain-JSON summary (hash, sizes, regions) for the cache metadata."""
+        return {
+            "sha256": self.sha256,
+            "bytes": len(self.data),
+            "documents": self.documents,
+            "pydoc_topics_bytes": self.doc_bytes,
+            "stdlib_bytes": self.stdlib_bytes,
+            "regions": {k: list(v) for k, v in self.regions.items()},
+            "window": self.window,
+        }
 
     def worker_windows(self, split: str, worker: int) -> list[tuple[int, int]]:
         """Absolute ``[start, end)`` byte ranges of the windows of ``worker`` in ``split``."""

@@ -1,20 +1,21 @@
-"""Train the byte-level transformer and compute per-worker gradients, with caching.
+"""Train a family's model from scratch and compute per-worker gradients, with caching.
 
-Pipeline (:func:`generate`):
+Pipeline (:func:`generate`), the same for every family of
+:mod:`dynamiq.data.families` (the configuration object says which;
+:class:`DataConfig`, the byte-level transformer ``lm``, is the default):
 
-1. build the corpus (:mod:`dynamiq.data.corpus`) and the model
-   (:mod:`dynamiq.data.model`) from :class:`DataConfig`;
-2. warm-up training: ``train_steps`` of AdamW (linear warm-up, cosine decay,
-   gradient clipping) on random windows of the *train* region;
+1. build the family's data source and model from its configuration;
+2. training from scratch: ``train_steps`` of AdamW (linear warm-up, cosine
+   decay, gradient clipping) on random batches of the *train* region;
 3. for each worker ``w`` of the requested split, one forward/backward of the
-   mean next-byte cross-entropy on that worker's own batch at the trained
-   weights; all parameter gradients are flattened and concatenated in
+   family's loss on that worker's own batch at the trained weights; all
+   parameter gradients are flattened and concatenated in
    ``model.named_parameters()`` order into one fp32 row.
 
 The trained weights and each split's ``[workers, N]`` fp32 array are cached in
-``cache_dir`` under names carrying a format version and a hash of the
-configuration and corpus (``model-v1-<hash>.pt``,
-``gradients-v1-<split>-<hash>.npy`` with a sibling ``.json`` of metadata).
+``cache_dir`` under names carrying the family (none for ``lm``), a format
+version and a hash of the configuration and data (``[<family>-]model-v1-<hash>.pt``,
+``[<family>-]gradients-v1-<split>-<hash>.npy`` with a sibling ``.json`` of metadata).
 Every file is written to a temporary name and renamed into place, and the
 JSON is written last, so an interrupted run never leaves a cache that loads.
 """
@@ -34,13 +35,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 import numpy as np
 import torch
+from torch import nn
 
 from dynamiq.data.corpus import SPLITS, Corpus, build_corpus
-from dynamiq.data.model import ModelConfig, TinyTransformer, build_model, param_layout
+from dynamiq.data.families import Family, Source
+from dynamiq.data.model import ModelConfig, TinyTransformer, build_model, lm_loss, param_layout
 
 __all__ = [
     "FORMAT_VERSION",
@@ -62,13 +65,14 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Everything that determines the generated gradients (hashed into the cache name).
+    """Family ``lm``: everything that determines its gradients (hashed into the cache name).
 
     The number of workers is *not* part of the configuration: worker ``i``'s
     batch does not depend on how many workers are generated, so a cache with
     ``W`` workers serves any request for ``<= W`` workers.
     """
 
+    name: ClassVar[str] = "lm"
     model: ModelConfig = field(default_factory=ModelConfig)
     seed: int = 0
     stdlib_bytes: int = 4_000_000
@@ -114,6 +118,22 @@ class DataConfig:
             seed=self.seed,
         )
 
+    def build_source(self) -> Corpus:
+        """The data source: the corpus (windows of ``seq_len + 1`` bytes)."""
+        return self.build_corpus()
+
+    def build_model(self) -> TinyTransformer:
+        """A freshly initialised transformer from ``seed``."""
+        return build_model(self.model, self.seed)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Mean next-byte cross-entropy of a ``[batch, seq_len + 1]`` byte tensor."""
+        return lm_loss(model, batch)
+
+    def slice_segments(self, layout: list[dict[str, Any]]) -> list[tuple[str, np.ndarray]]:
+        """The committed slice's coordinates (:func:`slice_segments`)."""
+        return slice_segments(layout)
+
 
 def default_cache_dir() -> Path:
     """``$DYNAMIQ_CACHE`` if set, else ``~/.cache/dynamiq``."""
@@ -127,21 +147,27 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _model_key(cfg: DataConfig, corpus: Corpus) -> str:
-    return _hash({"version": FORMAT_VERSION, "config": cfg.to_dict(), "corpus": corpus.sha256})
+def _model_key(cfg: Family, source: Source) -> str:
+    obj: dict[str, Any] = {"version": FORMAT_VERSION, "config": cfg.to_dict()}
+    obj["corpus"] = source.sha256
+    if cfg.name != "lm":  # lm's keys predate the families and stay as they were
+        obj["family"] = cfg.name
+    return _hash(obj)
 
 
-def gradient_paths(
-    cache_dir: Path, split: str, cfg: DataConfig, corpus: Corpus
-) -> tuple[Path, Path]:
+def _prefix(cfg: Family) -> str:
+    return "" if cfg.name == "lm" else f"{cfg.name}-"
+
+
+def gradient_paths(cache_dir: Path, split: str, cfg: Family, source: Source) -> tuple[Path, Path]:
     """The ``.npy`` and ``.json`` cache paths of ``split`` under ``cfg``."""
-    key = _hash({"model": _model_key(cfg, corpus), "split": split})
-    stem = f"gradients-v{FORMAT_VERSION}-{split}-{key}"
+    key = _hash({"model": _model_key(cfg, source), "split": split})
+    stem = f"{_prefix(cfg)}gradients-v{FORMAT_VERSION}-{split}-{key}"
     return cache_dir / f"{stem}.npy", cache_dir / f"{stem}.json"
 
 
-def _model_path(cache_dir: Path, cfg: DataConfig, corpus: Corpus) -> Path:
-    return cache_dir / f"model-v{FORMAT_VERSION}-{_model_key(cfg, corpus)}.pt"
+def _model_path(cache_dir: Path, cfg: Family, source: Source) -> Path:
+    return cache_dir / f"{_prefix(cfg)}model-v{FORMAT_VERSION}-{_model_key(cfg, source)}.pt"
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -165,7 +191,7 @@ def _atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
-def _lr_at(step: int, cfg: DataConfig) -> float:
+def _lr_at(step: int, cfg: Family) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     span = max(1, cfg.train_steps - cfg.warmup_steps)
@@ -174,10 +200,10 @@ def _lr_at(step: int, cfg: DataConfig) -> float:
 
 
 def train_model(
-    cfg: DataConfig, corpus: Corpus, *, progress: bool = True
-) -> tuple[TinyTransformer, list[float]]:
-    """Warm-up training on the train region; returns the model and the per-step loss curve."""
-    model = build_model(cfg.model, cfg.seed)
+    cfg: Family, source: Source, *, progress: bool = True
+) -> tuple[nn.Module, list[float]]:
+    """Training from scratch on the train region; returns the model and the per-step loss curve."""
+    model = cfg.build_model()
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -189,12 +215,7 @@ def train_model(
         lr=cfg.lr,
         betas=(0.9, 0.95),
     )
-    text = corpus.train_tensor()
-    window = corpus.window
-    if text.numel() < window:
-        raise ValueError(f"train region must hold at least {window} bytes (got {text.numel()})")
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + 7)
-    offsets = torch.arange(window)
     losses: list[float] = []
     start = time.perf_counter()
     every = max(1, cfg.train_steps // 20)
@@ -202,9 +223,7 @@ def train_model(
         lr = _lr_at(step, cfg)
         for group in opt.param_groups:
             group["lr"] = lr
-        starts = torch.randint(0, text.numel() - window + 1, (cfg.train_batch,), generator=gen)
-        batch = text[starts[:, None] + offsets].long()
-        loss = model.loss(batch)
+        loss = cfg.loss(model, source.train_batch(gen, cfg.train_batch))
         opt.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)
         if cfg.grad_clip > 0:
@@ -215,7 +234,7 @@ def train_model(
             recent = losses[-every:]
             _log(
                 progress,
-                f"train step {step + 1}/{cfg.train_steps}  loss {losses[-1]:.4f}  "
+                f"{cfg.name} train step {step + 1}/{cfg.train_steps}  loss {losses[-1]:.4f}  "
                 f"(mean of last {len(recent)}: {sum(recent) / len(recent):.4f})  lr {lr:.2e}  "
                 f"elapsed {time.perf_counter() - start:.1f}s",
             )
@@ -224,15 +243,15 @@ def train_model(
 
 
 def _trained_model(
-    cfg: DataConfig, corpus: Corpus, cache_dir: Path, *, regenerate: bool, progress: bool
-) -> tuple[TinyTransformer, dict[str, Any]]:
+    cfg: Family, source: Source, cache_dir: Path, *, regenerate: bool, progress: bool
+) -> tuple[nn.Module, dict[str, Any]]:
     """Load the trained weights from the cache or train (and cache) them."""
-    path = _model_path(cache_dir, cfg, corpus)
+    path = _model_path(cache_dir, cfg, source)
     if path.exists() and not regenerate:
         _log(progress, f"loading trained model from {path}")
         try:
             blob = torch.load(path, map_location="cpu", weights_only=True)
-            model = build_model(cfg.model, cfg.seed)
+            model = cfg.build_model()
             model.load_state_dict(blob["state_dict"])
             info: dict[str, Any] = json.loads(blob["info"])
         except Exception as exc:  # any unreadable cache entry (truncated, foreign) is rebuilt
@@ -240,12 +259,9 @@ def _trained_model(
         else:
             model.eval()
             return model, info
-    _log(
-        progress,
-        f"training model ({cfg.train_steps} steps, batch {cfg.train_batch}x{cfg.model.seq_len})",
-    )
+    _log(progress, f"training {cfg.name} model ({cfg.train_steps} steps, batch {cfg.train_batch})")
     t0 = time.perf_counter()
-    model, losses = train_model(cfg, corpus, progress=progress)
+    model, losses = train_model(cfg, source, progress=progress)
     tail = losses[-max(1, len(losses) // 20) :]
     info = {
         "train_seconds": time.perf_counter() - t0,
@@ -264,10 +280,10 @@ def _trained_model(
     return model, info
 
 
-def worker_gradient(model: TinyTransformer, batch: torch.Tensor) -> tuple[np.ndarray, float]:
-    """Flat fp32 gradient (``named_parameters`` order) of the mean loss on ``batch``, and loss."""
+def worker_gradient(cfg: Family, model: nn.Module, batch: Any) -> tuple[np.ndarray, float]:
+    """Flat fp32 gradient (``named_parameters`` order) of the family's loss on ``batch``; loss."""
     model.zero_grad(set_to_none=True)
-    loss = model.loss(batch)
+    loss = cfg.loss(model, batch)
     torch.autograd.backward(loss)
     parts = []
     for _, p in model.named_parameters():
@@ -281,7 +297,7 @@ def worker_gradient(model: TinyTransformer, batch: torch.Tensor) -> tuple[np.nda
 def generate(
     split: str,
     workers: int,
-    cfg: DataConfig | None = None,
+    cfg: Family | None = None,
     *,
     cache_dir: str | os.PathLike[str] | None = None,
     regenerate: bool = False,
@@ -298,44 +314,37 @@ def generate(
     _check_split_workers(split, workers, cfg)
     root = default_cache_dir() if cache_dir is None else Path(cache_dir)
     t_start = time.perf_counter()
-    _log(progress, "building corpus from pydoc_data.topics and the stdlib sources")
-    corpus = cfg.build_corpus()
-    model, train_info = _trained_model(cfg, corpus, root, regenerate=regenerate, progress=progress)
+    _log(progress, f"building the {cfg.name} data")
+    source = cfg.build_source()
+    model, train_info = _trained_model(cfg, source, root, regenerate=regenerate, progress=progress)
     layout = param_layout(model)
     numel = sum(int(p["numel"]) for p in layout)
     grads = np.empty((workers, numel), dtype=np.float32)
     losses: list[float] = []
-    windows: list[list[list[int]]] = []
+    shards: list[list[Any]] = []
     t0 = time.perf_counter()
     every = max(1, workers // 8)
     for w in range(workers):
-        grads[w], loss = worker_gradient(model, corpus.worker_batch_tensor(split, w))
+        grads[w], loss = worker_gradient(cfg, model, source.worker_examples(split, w))
         losses.append(loss)
-        windows.append([[a, b] for a, b in corpus.worker_windows(split, w)])
+        shards.append(source.worker_shard(split, w))
         if w % every == 0 or w == workers - 1:
             _log(
                 progress,
-                f"{split} gradients: worker {w + 1}/{workers}  loss {loss:.4f}  "
+                f"{cfg.name} {split} gradients: worker {w + 1}/{workers}  loss {loss:.4f}  "
                 f"elapsed {time.perf_counter() - t0:.1f}s",
             )
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
+        "family": cfg.name,
         "split": split,
         "workers": workers,
         "numel": numel,
         "dtype": "float32",
         "config": cfg.to_dict(),
         "params": layout,
-        "corpus": {
-            "sha256": corpus.sha256,
-            "bytes": len(corpus.data),
-            "documents": corpus.documents,
-            "pydoc_topics_bytes": corpus.doc_bytes,
-            "stdlib_bytes": corpus.stdlib_bytes,
-            "regions": {k: list(v) for k, v in corpus.regions.items()},
-            "window": corpus.window,
-        },
-        "worker_windows": windows,
+        "data": source.describe(),
+        "worker_shards": shards,
         "worker_losses": losses,
         "train": train_info,
         "gradient_seconds": time.perf_counter() - t0,
@@ -346,7 +355,7 @@ def generate(
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
     }
-    npy, js = gradient_paths(root, split, cfg, corpus)
+    npy, js = gradient_paths(root, split, cfg, source)
     js.unlink(missing_ok=True)  # the entry is incomplete until the new JSON lands
     _atomic_write(npy, lambda f: np.save(f, grads, allow_pickle=False))
     text = json.dumps(meta, indent=1).encode()
@@ -359,7 +368,7 @@ def generate(
     return grads, meta
 
 
-def _check_split_workers(split: str, workers: int, cfg: DataConfig) -> None:
+def _check_split_workers(split: str, workers: int, cfg: Family) -> None:
     if split not in SPLITS:
         raise ValueError(
             f"split must be one of {', '.join(repr(s) for s in SPLITS)} (got {split!r})"
@@ -387,9 +396,13 @@ def _read_cache(npy: Path, js: Path, workers: int) -> tuple[np.ndarray, dict[str
         if arr.shape[0] < workers:
             return None
         out = np.array(arr[:workers])
+        if "data" not in meta:  # an lm entry written before the families: same content
+            meta["family"] = "lm"
+            meta["data"] = meta.pop("corpus")
+            meta["worker_shards"] = meta.pop("worker_windows")
         meta["cached_workers"] = meta["workers"]
         meta["workers"] = workers
-        meta["worker_windows"] = meta["worker_windows"][:workers]
+        meta["worker_shards"] = meta["worker_shards"][:workers]
         meta["worker_losses"] = meta["worker_losses"][:workers]
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -399,7 +412,7 @@ def _read_cache(npy: Path, js: Path, workers: int) -> tuple[np.ndarray, dict[str
 def load_or_generate(
     split: str,
     workers: int,
-    cfg: DataConfig | None = None,
+    cfg: Family | None = None,
     *,
     cache_dir: str | os.PathLike[str] | None = None,
     regenerate: bool = False,
@@ -416,14 +429,15 @@ def load_or_generate(
     _check_split_workers(split, workers, cfg)
     root = default_cache_dir() if cache_dir is None else Path(cache_dir)
     if not regenerate:
-        corpus = cfg.build_corpus()
-        npy, js = gradient_paths(root, split, cfg, corpus)
+        npy, js = gradient_paths(root, split, cfg, cfg.build_source())
         hit = _read_cache(npy, js, workers)
         if hit is not None:
             _log(progress, f"loaded {split} gradients {hit[0].shape} from {npy}")
             return hit
         _log(
-            progress, f"no usable cache for split={split!r}, workers={workers} at {npy}; generating"
+            progress,
+            f"no usable {cfg.name} cache for split={split!r}, workers={workers} at {npy}; "
+            "generating",
         )
     return generate(split, workers, cfg, cache_dir=root, regenerate=regenerate, progress=progress)
 
@@ -486,35 +500,56 @@ def slice_segments(
 
 
 def write_slice(
-    grads: np.ndarray, meta: dict[str, Any], path: str | os.PathLike[str]
+    grads: np.ndarray,
+    meta: dict[str, Any],
+    path: str | os.PathLike[str],
+    cfg: Family | None = None,
+    *,
+    extras: bool = True,
 ) -> np.ndarray:
-    """Write the slice (first ``SLICE_WORKERS`` workers at :func:`slice_segments`) to ``path``."""
+    """Write the slice (first ``SLICE_WORKERS`` workers at ``cfg.slice_segments``) to ``path``.
+
+    With ``extras`` (the default) the file also records the family, its
+    training loss curve, the sliced workers' losses and the statistics of the
+    whole split (``full_stats``, JSON), so tests can check them without the cache.
+    """
+    from dynamiq.data import gradient_stats
+
+    cfg = DataConfig() if cfg is None else cfg
     if grads.shape[0] < SLICE_WORKERS:
         raise ValueError(
             f"workers must be >= {SLICE_WORKERS} to write the slice (got {grads.shape[0]})"
         )
-    segments = slice_segments(meta["params"])
+    segments = cfg.slice_segments(meta["params"])
     indices = np.concatenate([idx for _, idx in segments])
     values = np.ascontiguousarray(grads[:SLICE_WORKERS][:, indices], dtype=np.float32)
     starts = np.cumsum([0] + [idx.size for _, idx in segments[:-1]]).astype(np.int64)
-    names = np.array([name for name, _ in segments])
-    params = np.array([",".join(_params_of(meta["params"], idx)) for _, idx in segments])
-    source = np.array(
-        f"split={meta['split']} workers=0..{SLICE_WORKERS - 1} "
-        f"corpus={meta['corpus']['sha256'][:16]} created_at={meta['created_at']} "
-        f"torch={meta['torch_version']}"
-    )
+    arrays: dict[str, np.ndarray] = {
+        "gradients": values,
+        "indices": indices,
+        "segment_names": np.array([name for name, _ in segments]),
+        "segment_starts": starts,
+        "segment_params": np.array(
+            [",".join(_params_of(meta["params"], idx)) for _, idx in segments]
+        ),
+        "source": np.array(
+            f"split={meta['split']} workers=0..{SLICE_WORKERS - 1} "
+            f"corpus={meta['data']['sha256'][:16]} created_at={meta['created_at']} "
+            f"torch={meta['torch_version']}"
+        ),
+    }
+    if extras:
+        full = gradient_stats(torch.from_numpy(grads))
+        arrays["family"] = np.array(cfg.name)
+        arrays["numel"] = np.array(int(meta["numel"]), dtype=np.int64)
+        arrays["train_loss_curve"] = np.asarray(meta["train"]["train_loss_curve"], dtype=np.float64)
+        arrays["worker_losses"] = np.asarray(
+            meta["worker_losses"][:SLICE_WORKERS], dtype=np.float64
+        )
+        arrays["full_stats"] = np.array(json.dumps(full, sort_keys=True))
 
     def write(f: IO[bytes]) -> None:
-        np.savez_compressed(
-            f,
-            gradients=values,
-            indices=indices,
-            segment_names=names,
-            segment_starts=starts,
-            segment_params=params,
-            source=source,
-        )
+        np.savez_compressed(f, **arrays)  # type: ignore[arg-type]
 
     _atomic_write(Path(path), write)
     return values

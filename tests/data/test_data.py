@@ -271,7 +271,7 @@ def test_build_model_keeps_global_rng() -> None:
 
 
 def _windows(meta: dict[str, Any]) -> list[tuple[int, int]]:
-    return [(int(a), int(b)) for worker in meta["worker_windows"] for a, b in worker]
+    return [(int(a), int(b)) for worker in meta["worker_shards"] for a, b in worker]
 
 
 def _overlaps(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> bool:
@@ -324,8 +324,8 @@ def test_tiny_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_th
     fit, fit_meta = gr.load_or_generate("fit", 4, TINY, cache_dir=tmp_path, progress=False)
     _, eval_meta = gr.load_or_generate("eval", 3, TINY, cache_dir=tmp_path, progress=False)
     assert not torch.equal(torch.from_numpy(fit[0]), more[0])
-    regions = eval_meta["corpus"]["regions"]
-    assert regions == fit_meta["corpus"]["regions"]
+    regions = eval_meta["data"]["regions"]
+    assert regions == fit_meta["data"]["regions"]
     (e0, e1), (f0, f1), (t0, t1) = regions["eval"], regions["fit"], regions["train"]
     assert e1 <= f0 and f1 <= t0 < t1
     ev, fv = _windows(eval_meta), _windows(fit_meta)
