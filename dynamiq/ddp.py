@@ -48,16 +48,34 @@ class DynamiqState:
         threshold: buckets with fewer elements go uncompressed (fp32).
         timeout: seconds to wait for a peer before raising ``PeerTimeoutError``.
         schedule_options: keyword options of the schedule (e.g. ``ranks_per_node``).
+        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss (mixed precision), so that
+            error feedback can keep its residuals unscaled (see below).
 
     ``stats`` holds one dict per completed step: bytes sent and received, seconds per phase.
+
+    **Non-finite steps and loss scaling** (error feedback; docs/guide.md, "Mixed precision").
+    A step in which the all-reduced result of any bucket holds NaN or ±Inf (a non-finite
+    gradient on any rank: every built-in codec and schedule then gives a non-finite result on
+    every rank, ``tests/test_ddp_nonfinite.py``, so all ranks agree without a message) leaves
+    every residual as it was before the step: the residuals of a step are kept only when its
+    last bucket is done and all were finite. So a step that GradScaler skips changes no
+    residual, and the next finite step starts from finite residuals; a residual with a
+    non-finite entry is never stored either (that bucket keeps its old one). Residuals are
+    kept **unscaled**: with ``grad_scaler``, the residual of a step is divided by the loss
+    scale that step used and multiplied by the current scale when it is added back (GradScaler's
+    scales are powers of two: exact), so a scale change (halved after an overflow, doubled
+    after a run of good steps) never mixes units; :meth:`state_dict` holds unscaled residuals.
     """
 
     __slots__ = (
         "_lock",
+        "_pending",
         "_queue",
+        "_step_nonfinite",
         "_thread",
         "codec",
         "error_feedback",
+        "grad_scaler",
         "iter",
         "process_group",
         "residuals",
@@ -83,6 +101,7 @@ class DynamiqState:
         sub_chunk: int = 1 << 18,
         timeout: float = 300.0,
         schedule_options: dict[str, Any] | None = None,
+        grad_scaler: Any = None,
     ):
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -97,12 +116,15 @@ class DynamiqState:
         self.process_group = process_group
         self.transport = TorchDistTransport(process_group)
         self.error_feedback = bool(error_feedback)
+        self.grad_scaler = grad_scaler
         self.seed = seed
         self.threshold = threshold
         self.sub_chunk = sub_chunk
         self.timeout = timeout
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, torch.Tensor] = {}  # this step's residuals, not yet kept
+        self._step_nonfinite = False
         self.stats: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -149,6 +171,45 @@ class DynamiqState:
             self.iter = int(state["iter"])
             self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
 
+    # -- error feedback --------------------------------------------------------------------
+
+    def _loss_scale(self, device: torch.device) -> torch.Tensor | None:
+        """The loss scale of this backward pass (a 1-element fp32 tensor, copied: GradScaler
+        updates its own in place), or ``None`` without an enabled ``grad_scaler``."""
+        scaler = self.grad_scaler
+        if scaler is None or not scaler.is_enabled():
+            return None
+        scale = getattr(scaler, "_scale", None)  # the tensor itself: no host sync
+        if scale is None:
+            scale = torch.tensor([scaler.get_scale()])
+        return scale.detach().to(device=device, dtype=torch.float32).reshape(1).clone()
+
+    def _stage_residual(
+        self, index: int, residual: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None
+    ) -> None:
+        """Hold bucket ``index``'s new residual (unscaled) until the step ends; a non-finite
+        all-reduced ``out`` marks the step non-finite, a non-finite residual is dropped (the
+        bucket keeps its old one)."""
+        if scale is not None:
+            residual = residual / scale
+        finite_out = bool(torch.isfinite(out).all())
+        finite_res = bool(torch.isfinite(residual).all())
+        with self._lock:
+            if not finite_out:
+                self._step_nonfinite = True
+            elif finite_res:
+                self._pending[index] = residual
+
+    def _end_step(self, failed: bool) -> None:
+        """After the step's last bucket (``failed``: one of its buckets raised): commit the
+        staged residuals unless a bucket of the step was non-finite, else keep them all as
+        they were before the step."""
+        with self._lock:
+            if not (failed or self._step_nonfinite):
+                self.residuals.update(self._pending)
+            self._pending = {}
+            self._step_nonfinite = False
+
     def _record(self, info: dict[str, Any]) -> None:
         with self._lock:
             if not self.stats or self.stats[-1]["step"] != info["step"]:
@@ -175,11 +236,13 @@ def dynamiq_hook(
     """Compressed all-reduce of one gradient bucket, off the backward thread.
 
     1. Take the bucket's flat gradient (fp32, bf16 or fp16); with error feedback, add this
-       rank's residual of the same bucket from the previous step (in fp32).
+       rank's residual of the same bucket from the previous step (in fp32, times the loss
+       scale with a ``grad_scaler``).
     2. Hand it to the communication thread and return a Future at once.
     3. On the thread: all-reduce with the codec and schedule (every rank ends bit-identical),
        dividing by the world size; with error feedback, the residual of every encoding this
-       rank does is kept for the next step.
+       rank does is kept for the next step (unscaled; not if the result is non-finite: see
+       :class:`DynamiqState`).
     4. Complete the Future with the averaged bucket (or the error, which DDP re-raises).
     """
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -192,10 +255,12 @@ def dynamiq_hook(
     # 1. local gradient (+ residual); DDP reuses the buffer, so the thread works on a copy
     numel = grad.numel()
     residual = None
+    scale = None
     if state.error_feedback:
+        scale = state._loss_scale(grad.device)
         old = state.residuals.get(index)
         if old is not None and old.numel() == numel:  # buckets are rebuilt after step 0
-            wanted = grad.float() + old
+            wanted = grad.float() + (old if scale is None else old * scale)  # kept unscaled
             work = wanted.to(grad.dtype)
             # a bf16/fp16 bucket cannot hold all of it: what the cast drops is kept too
             residual = wanted - work.float()
@@ -225,8 +290,9 @@ def dynamiq_hook(
             )
             assert isinstance(stats, AllReduceStats)  # synchronous on this thread
             if residual is not None:
-                with state._lock:
-                    state.residuals[index] = residual
+                state._stage_residual(index, residual, work, scale)
+                if is_last:
+                    state._end_step(failed=False)
             info = {
                 "step": step,
                 "bytes_sent": stats.bytes_sent,
@@ -237,6 +303,11 @@ def dynamiq_hook(
             # 4. complete the future
             fut.set_result(work)
         except BaseException as exc:
+            if state.error_feedback:
+                with state._lock:
+                    state._step_nonfinite = True  # keep no residual of a failed step
+                if is_last:
+                    state._end_step(failed=True)
             fut.set_exception(exc)  # type: ignore[arg-type]
 
     state.submit(job)

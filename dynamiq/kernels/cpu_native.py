@@ -29,11 +29,15 @@ few seconds) and cached in ``$DYNAMIQ_CACHE/cpu-kernels`` (default
 ``~/.cache/dynamiq/cpu-kernels``) under a name that hashes the sources (``csrc/``), the
 flags, the compiler and the CPU, so later processes load it in milliseconds and a home
 directory shared by different machines never runs code built for another CPU. Nothing is
-downloaded. Without a compiler, or if the build fails, one
-:class:`CPUKernelsUnavailableWarning` says why and the codecs run on their PyTorch reference,
-as before. On a CPU with AVX-512 (and BMI2), the DynamiQ kernel's full groups of 16, 32 or 64
-values run as vector code with in-register tables; elsewhere, portable loops give the same
-bytes.
+downloaded. The cache loads only what this user built (:mod:`dynamiq.kernels._libcache`): the
+directory and its ancestors must be owned by this user or root and writable by no one else
+(sticky ancestors such as ``/tmp`` are fine), else a private 0700 directory is used, with an
+:class:`UnsafeCacheWarning`; the library is written atomically with its SHA-256 beside it,
+checked before ``dlopen``, and a damaged file is rebuilt. Without a compiler, or if the
+build fails, one :class:`CPUKernelsUnavailableWarning` says why and the codecs run on their
+PyTorch reference, as before. On a CPU with AVX-512 (and BMI2), the DynamiQ kernel's full
+groups of 16, 32 or 64 values run as vector code with in-register tables; elsewhere, portable
+loops give the same bytes.
 
 **Dispatch** (:mod:`dynamiq.kernels`): ``backend="auto"`` runs these kernels on CPU tensors of
 at least :data:`MIN_NUMEL` values (unless ``DYNAMIQ_CPU_KERNELS=0``, :func:`set_cpu_kernels`
@@ -62,6 +66,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _libcache
+from ._libcache import UnsafeCacheWarning
 from ._stats import record_launch
 
 if TYPE_CHECKING:
@@ -71,6 +77,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MIN_NUMEL",
     "CPUKernelsUnavailableWarning",
+    "UnsafeCacheWarning",
     "available",
     "cpu_kernels_enabled",
     "decode",
@@ -240,9 +247,11 @@ _FAILURE: str | None = None  # why the library is unavailable (set once; not ret
 
 
 def _cache_dir() -> Path:
+    """``$DYNAMIQ_CACHE/cpu-kernels`` (default ``~/.cache/dynamiq/cpu-kernels``) if it is safe
+    to load libraries from, else a private directory (with a warning; see ``_libcache``)."""
     env = os.environ.get("DYNAMIQ_CACHE")
     base = Path(env).expanduser() if env else Path.home() / ".cache" / "dynamiq"
-    return base / "cpu-kernels"
+    return _libcache.cache_dir(base / "cpu-kernels")
 
 
 def _compiler() -> str | None:
@@ -284,23 +293,29 @@ def library_path(compiler: str | None = None) -> Path:
 
 
 def _build(cxx: str, dest: Path) -> None:
-    """Compile the library to ``dest`` (atomically: a temporary file renamed into place)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    """Compile the library to ``dest`` and record its SHA-256 beside it, atomically:
+    temporary files in the cache directory renamed into place, the library first (the
+    caller, ``_libcache.load``, holds the cache's build lock)."""
     errors = []
     # -march=native where the compiler knows it; a portable build otherwise
     for arch in (("-march=native",), ()):
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest.parent)
+        fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=dest.parent)
         os.close(fd)
+        digest: Path | None = None
         cmd = [cxx, *FLAGS, *arch, "-o", tmp, *map(str, SOURCES), *_LINK]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
             if proc.returncode == 0:
+                os.chmod(tmp, 0o755)  # whatever the umask: writable by this user only
+                digest = _libcache.write_digest(Path(tmp), dest)
                 os.replace(tmp, dest)
+                os.replace(digest, _libcache.digest_path(dest))
                 return
             errors.append(f"{' '.join(cmd)}: {proc.stderr.strip()[-2000:]}")
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            for left in (tmp, digest):
+                if left is not None and os.path.exists(left):
+                    os.unlink(left)
     raise RuntimeError("; ".join(errors))
 
 
@@ -336,9 +351,7 @@ def _open() -> ctypes.CDLL:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
     path = library_path(cxx)
-    if not path.exists():
-        _build(cxx, path)
-    lib = ctypes.CDLL(str(path))
+    lib = _libcache.load(path, functools.partial(_build, cxx))
     lib.dq_abi_version.restype = ctypes.c_int
     if lib.dq_abi_version() != _ABI_VERSION:
         raise RuntimeError(f"{path} has ABI version {lib.dq_abi_version()}, not {_ABI_VERSION}")
