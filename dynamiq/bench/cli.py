@@ -371,6 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     from dynamiq.bench import train as _train
 
     _train.add_parser(bsub)  # `dynamiq bench train` (dynamiq/bench/train.py)
+    from dynamiq.plan import cli as _plan
+
+    _plan.add_parser(sub)  # `dynamiq plan` (dynamiq/plan/cli.py)
     return parser
 
 
