@@ -428,10 +428,19 @@ def _add_bench_kernels(bsub: Any) -> argparse.ArgumentParser:
     return p
 
 
+_PLAN_HELP = "predict all-reduce time, phases and bits/value on any cluster (cost model)"
+
+
+def _plan_checked_later(args: argparse.Namespace) -> None:
+    """``dynamiq plan`` checks its own arguments first thing, before any work
+    (dynamiq/plan/cli.py)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``dynamiq`` parser; every leaf parser has ``func``, ``check`` and ``parser``."""
     from dynamiq.bench import cluster as _cluster
     from dynamiq.bench import train as _train
+    from dynamiq.plan import cli as _plan
 
     commands = [
         ("codecs", _CODECS_HELP),
@@ -440,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("bench kernels", _KERNELS_HELP),
         ("bench cluster", _cluster.HELP),
         ("bench train", _train.HELP),
+        ("plan", _PLAN_HELP),
     ]
     width = max(len(c) for c, _ in commands) + len("dynamiq ")
     parser = argparse.ArgumentParser(
@@ -465,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     leaves.append(_add_bench_kernels(bsub))
     leaves.append(_cluster.add_parser(bsub))  # `dynamiq bench cluster` (dynamiq/bench/cluster.py)
     leaves.append(_train.add_parser(bsub))  # `dynamiq bench train` (dynamiq/bench/train.py)
+    plan = _plan.add_parser(sub)  # `dynamiq plan` (dynamiq/plan/cli.py)
+    plan.set_defaults(check=_plan_checked_later)
+    leaves.append(plan)
     for leaf in leaves:
         leaf.set_defaults(parser=leaf)
     return parser

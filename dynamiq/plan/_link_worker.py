@@ -1,0 +1,119 @@
+"""One rank of ``dynamiq plan calibrate --network`` (started by :mod:`dynamiq.plan.calibrate`
+inside the rank's namespace of an emulated cluster; not a public entry point).
+
+``python -m dynamiq.plan._link_worker --rank R --world N --master ADDR:PORT --spec FILE
+--out FILE`` joins a gloo group over the shaped links and runs, with torch.distributed's
+``isend``/``irecv`` as the engine's transport does, no codec and no engine:
+
+* ``pingpong``: rank 0 and rank 1 bounce a small tensor (the others wait): half the median
+  round trip is the latency α of a message;
+* every *pattern* of the spec: per rank, a list of rounds, each a list of transfers
+  ``[send_to, recv_from, nbytes, pieces]`` (``-1``: none) that run at once; a round posts its
+  receives, sends its pieces back to back (the transfers' pieces interleaved), and waits for
+  all of them; all ranks start together after a barrier. Reported: each repeat's seconds
+  (this rank) and the seconds spent inside ``isend`` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _pingpong(rank: int, iters: int, nbytes: int) -> list[float]:
+    buf = torch.zeros(max(1, nbytes), dtype=torch.uint8)
+    rtts = []
+    for _ in range(iters + 5):
+        t = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        elif rank == 1:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        rtts.append(time.perf_counter() - t)
+    return rtts[5:]
+
+
+def _pattern(rank: int, rounds: list[list[list[int]]]) -> tuple[float, float]:
+    """Run this rank's rounds once; (seconds, seconds inside isend)."""
+    plan = []
+    for transfers in rounds:
+        sends: list[tuple[int, int, torch.Tensor]] = []  # (piece index, peer, buffer)
+        recvs: list[tuple[int, torch.Tensor]] = []
+        for send_to, recv_from, nbytes, pieces in transfers:
+            size = -(-nbytes // max(1, pieces))
+            for i in range(pieces):
+                if send_to >= 0:
+                    sends.append((i, send_to, torch.ones(size, dtype=torch.uint8)))
+                if recv_from >= 0:
+                    recvs.append((recv_from, torch.empty(size, dtype=torch.uint8)))
+        sends.sort(key=lambda s: s[0])  # interleave the transfers' pieces
+        plan.append((sends, recvs))
+    dist.barrier()
+    in_send = 0.0
+    t0 = time.perf_counter()
+    for sends, recvs in plan:
+        works = [w for src, b in recvs if (w := dist.irecv(b, src)) is not None]
+        for _, dst, b in sends:
+            t = time.perf_counter()
+            w = dist.isend(b, dst)
+            assert w is not None
+            works.append(w)
+            in_send += time.perf_counter() - t
+        for w in works:
+            w.wait()
+    return time.perf_counter() - t0, in_send
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master", required=True)
+    p.add_argument("--spec", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    with open(args.spec) as f:
+        spec = json.load(f)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.master}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=float(spec.get("timeout", 300))),
+    )
+    result: dict[str, Any] = {"rank": args.rank}
+    dist.barrier()
+    rtts = _pingpong(args.rank, int(spec["pingpong_iters"]), int(spec["pingpong_bytes"]))
+    result["pingpong_rtt_median"] = statistics.median(rtts)
+    result["patterns"] = {}
+    for name, per_rank in spec["patterns"].items():
+        rounds = per_rank[args.rank]
+        _pattern(args.rank, rounds)  # warm-up: the connections exist, TCP has ramped once
+        times, sends = [], []
+        for _ in range(int(spec["repeats"])):
+            t, s = _pattern(args.rank, rounds)
+            times.append(t)
+            sends.append(s)
+        result["patterns"][name] = {"seconds": times, "isend_seconds": sends}
+    dist.barrier()
+    with open(args.out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(args.out + ".tmp", args.out)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""``dynamiq.plan.predict``: resolve the parameters (profiles, tables, overrides) and predict
+every codec × schedule; :func:`break_even` tabulates when each codec beats bf16."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from dynamiq.bench.netns import parse_rate
+from dynamiq.codecs import get_codec
+from dynamiq.collectives import get_schedule
+
+from .costs import Cost, Host, KernelTable, Link
+from .model import Cluster, simulate
+from .profiles import DEVICES, LINKS, device_table, emulated_link, gpu_host, named_link
+
+__all__ = ["Setup", "break_even", "predict", "resolve"]
+
+_SIZES_MIB = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+Setup = tuple[Cluster, KernelTable, Host, dict[str, Any]]
+
+
+def _rate_bps(rate: str | float) -> float:
+    if isinstance(rate, (int, float)):
+        if not rate > 0:
+            raise ValueError(f"rate must be positive (got {rate})")
+        return float(rate)
+    return float(parse_rate(rate))
+
+
+def resolve(
+    ranks: int,
+    *,
+    profile: str = "emulated",
+    rate: str | float | None = None,
+    latency_us: float | None = None,
+    efficiency: float | None = None,
+    ranks_per_node: int = 1,
+    intra_profile: str = "nvlink4",
+    device: str | None = None,
+    kernel_table: str | None = None,
+    network_table: str | None = None,
+    mem_bw_gbps: float | None = None,
+    call_overhead_us: float | None = None,
+    cores: int | None = None,
+) -> Setup:
+    """The cluster, kernel table and host a prediction uses, and where each came from."""
+    if profile not in LINKS:
+        raise ValueError(f"unknown profile {profile!r} (known: {', '.join(LINKS)})")
+    if intra_profile not in LINKS or intra_profile == "emulated":
+        raise ValueError(
+            f"intra-node profile must be one of ib100, ib400, nvlink4 ({intra_profile!r})"
+        )
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"unknown device {device!r} (known: {', '.join(DEVICES)})")
+    if cores is not None and cores < 1:
+        raise ValueError(f"cores must be >= 1 (got {cores})")
+    if mem_bw_gbps is not None and not mem_bw_gbps > 0:
+        raise ValueError(f"memory bandwidth must be positive (got {mem_bw_gbps} GB/s)")
+    if call_overhead_us is not None and not call_overhead_us >= 0:
+        raise ValueError(f"call overhead must be >= 0 us (got {call_overhead_us})")
+    device = device or ("cpu" if profile == "emulated" else "h200")
+    calib: dict[str, Any] = {}
+    if profile == "emulated":
+        link, calib = emulated_link(
+            _rate_bps(rate if rate is not None else "100mbit"), network_table
+        )
+        link = Link(
+            link.rate_bps,
+            link.latency_s,
+            link.efficiency,
+            link.source,
+            float(calib.get("two_streams_efficiency") or link.efficiency),
+        )
+    else:
+        link = named_link(profile)
+        if rate is not None:
+            link = Link(
+                _rate_bps(rate), link.latency_s, link.efficiency, link.source + ", rate given"
+            )
+    if latency_us is not None or efficiency is not None:
+        link = Link(
+            link.rate_bps,
+            link.latency_s if latency_us is None else latency_us * 1e-6,
+            link.efficiency if efficiency is None else efficiency,
+            link.source + ", overridden",
+            link.shared_efficiency if efficiency is None else efficiency,
+        )
+    intra = named_link(intra_profile) if ranks_per_node > 1 else None
+    cluster = Cluster(ranks, link, ranks_per_node, intra)
+    if mem_bw_gbps is not None:
+        table = KernelTable(
+            {},
+            mem_bw_gbps * 1e9,
+            (call_overhead_us or 0.0) * 1e-6,
+            device,
+            f"roofline {mem_bw_gbps:g} GB/s",
+        )
+    else:
+        table = device_table(device, kernel_table)
+        if call_overhead_us is not None:
+            table.overhead = call_overhead_us * 1e-6
+    if device == "cpu":
+        n_cores = cores or os.cpu_count() or 1
+        # ranks per machine: the emulated cluster puts every rank on this one
+        on_host = ranks if profile == "emulated" else ranks_per_node
+        # a table timed by P processes at once already has their sharing of the cores in it
+        shared = max(1.0, on_host / n_cores) / max(1.0, table.procs / n_cores)
+        host = Host(
+            send=Cost(0.0, float(calib.get("send_per_byte_s", 0.0))),
+            add=table.add,
+            cpu_slowdown=max(1.0, shared),
+            lookahead=True,
+            source=f"CPU engine: rounds overlap; {on_host} ranks on {n_cores} cores",
+        )
+    else:
+        host = gpu_host()
+    sources = {
+        "link": asdict(link),
+        "intra_link": asdict(intra) if intra else None,
+        "kernels": table.source,
+        "host": asdict(host),
+    }
+    return cluster, table, host, sources
+
+
+def predict(
+    ranks: int,
+    codecs: Sequence[Any] = ("dynamiq",),
+    schedules: Sequence[str] = ("ring",),
+    *,
+    size_mib: float = 64.0,
+    sub_chunk: int = 1 << 18,
+    **setup: Any,
+) -> dict[str, Any]:
+    """Predict each codec × schedule's all-reduce of ``size_mib`` MiB of fp32 on ``ranks``
+    ranks; ``setup``: the keywords of :func:`resolve`. Returns ``{"config", "parameters",
+    "results"}``, one result per codec × schedule with the predicted total ``seconds``, the
+    phases, per-round times and bits/value (see :class:`~dynamiq.plan.model.Prediction`)."""
+    if not size_mib > 0:
+        raise ValueError(f"size must be positive (got {size_mib} MiB)")
+    if sub_chunk < 1:
+        raise ValueError(f"sub-chunk must be positive (got {sub_chunk})")
+    if not codecs:
+        raise ValueError("no codecs to predict")
+    if not schedules:
+        raise ValueError("no schedules to predict")
+    for c in codecs:
+        get_codec(c)  # UnknownCodecError names the known ids
+    for s in schedules:
+        get_schedule(s, ranks) if ranks >= 2 else None
+    cluster, table, host, sources = resolve(ranks, **setup)
+    numel = max(1, int(size_mib * 2**20) // 4)
+    results = []
+    for c in codecs:
+        costs = table.get(c)
+        for s in schedules:
+            p = simulate(
+                c, s, cluster, numel, costs, host, sub_chunk=sub_chunk, intra_costs=table.get
+            )
+            results.append(p.as_dict())
+    config = {"ranks": ranks, "size_mib": size_mib, "numel": numel, "sub_chunk": sub_chunk, **setup}
+    return {"config": config, "parameters": sources, "results": results}
+
+
+def _bf16_ideal(cluster: Cluster, numel: int) -> float:
+    """NCCL-style bf16 ring all-reduce, α-β only: ``2(n-1)`` steps of ``2·numel/n`` bytes."""
+    n = cluster.ranks
+    worst = max((cluster.link(r, (r + 1) % n) for r in range(n)), key=lambda lk: lk.seconds(1.0))
+    return 2 * (n - 1) * (worst.latency_s + worst.seconds(2 * numel / n))
+
+
+def _speedup(c: str, schedule: str, cluster: Cluster, costs: Any, host: Host, mib: float) -> float:
+    numel = int(mib * 2**20) // 4
+    return _bf16_ideal(cluster, numel) / simulate(c, schedule, cluster, numel, costs, host).seconds
+
+
+def break_even(
+    codecs: Sequence[str],
+    ranks: int = 8,
+    size_mib: float = 64.0,
+    schedule: str = "ring",
+    sizes_mib: Sequence[float] = _SIZES_MIB,
+) -> list[dict[str, Any]]:
+    """For H100/H200 × 100/400 Gb/s InfiniBand × NVLink 4: each codec's speed-up over an
+    α-β bf16 ring at ``size_mib``, and the smallest bucket of ``sizes_mib`` from which it is
+    faster (None: at none of them). InfiniBand rows put one rank per node; NVLink rows put all
+    ``ranks`` in one node."""
+    rows = []
+    for device in ("h100", "h200"):
+        table = device_table(device)
+        for link_name in ("ib100", "ib400", "nvlink4"):
+            cluster = Cluster(ranks, named_link(link_name))
+            host = gpu_host()
+            for c in codecs:
+                costs = table.get(c)
+                wins = next(
+                    (m for m in sizes_mib if _speedup(c, schedule, cluster, costs, host, m) > 1),
+                    None,
+                )
+                rows.append(
+                    {
+                        "device": device,
+                        "link": link_name,
+                        "codec": c,
+                        "speedup_vs_bf16": _speedup(c, schedule, cluster, costs, host, size_mib),
+                        "beats_bf16_from_mib": wins,
+                    }
+                )
+    return rows

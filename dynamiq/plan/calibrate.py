@@ -1,0 +1,345 @@
+"""The microbenchmarks behind ``dynamiq plan``'s parameters (``dynamiq plan calibrate``).
+
+* :func:`calibrate_kernels`: each codec's ``encode``, fused ``reduce`` and ``decode`` on this
+  machine, called as the engine calls them (the codec's methods, the dispatcher's default
+  backend, a fresh output per call, one torch thread), at two sizes (the engine's sub-chunk and
+  a quarter of it): a straight line through the two medians gives the per-call overhead and
+  the time per value; ``prologue`` (THC's scale agreement) on the whole buffer; an fp32 add.
+* :func:`calibrate_network`: an emulated cluster (:class:`~dynamiq.bench.netns.
+  EmulatedCluster`) at each rate, and on it, with gloo and no codec
+  (:mod:`dynamiq.plan._link_worker`): a ping-pong (α = half the median round trip), a
+  stream from every rank to the next (all links busy at once; goodput ÷ rate is the link's
+  efficiency, the time inside ``isend`` per byte the host's send cost), and two exchanges of
+  the same bytes in halving/doubling rounds, one with a fixed partner and one whose partner
+  changes every round, which says what changing partners costs on these links.
+
+Nothing here runs an all-reduce: the validation runs (``dynamiq bench cluster``) never feed a
+parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["calibrate_kernels", "calibrate_network", "link_patterns"]
+
+_PORT = 29511
+
+
+class _OneRank:
+    """A one-rank ``PrologueComm`` (a prologue's all-gather returns the rank's own tensor)."""
+
+    rank, world_size = 0, 1
+
+    def allgather(self, tensor: Any) -> list[Any]:
+        return [tensor]
+
+
+def _median_call(fn: Any, burst: int) -> float:
+    fn()
+    ts = []
+    for _ in range(burst):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def calibrate_kernels(
+    codecs: Sequence[str],
+    sub_chunk: int = 1 << 18,
+    numel: int = 1 << 24,
+    *,
+    iters: int = 3,
+    burst: int = 5,
+    data: str = "slice",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Per-call costs of every codec's operations on this machine's CPU (module docstring)."""
+    import torch
+
+    from dynamiq.codecs import get_codec
+
+    torch.set_num_threads(1)
+    if data == "slice":
+        from dynamiq.data import load_slice
+
+        first = load_slice()[0]
+        big = first.repeat(-(-numel // first.numel()))[:numel].contiguous().float()
+    else:
+        big = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    other = big.roll(12345).contiguous()
+    out: dict[str, Any] = {
+        "kind": "dynamiq-plan-kernels",
+        "device": "cpu",
+        "date": _now(),
+        "machine": _machine(),
+        "torch_threads": 1,
+        "sizes": [],
+        "codecs": {},
+    }
+    for i, name in enumerate(codecs):
+        row, at = _time_codec(get_codec(name), big, other, sub_chunk, iters, burst)
+        out["codecs"][name] = row
+        out["sizes"] = sorted({*at, *out["sizes"]})
+        if progress:
+            print(
+                f"[{i + 1}/{len(codecs)}] {name:<12} "
+                + " ".join(f"{op} {row[op]['seconds'][str(at[-1])] * 1e3:.2f} ms" for op in _OPS)
+                + f" per {at[-1]} values",
+                file=sys.stderr,
+                flush=True,
+            )
+    m = sub_chunk
+    a, b = big[:m].contiguous(), other[:m].contiguous()
+    t_add = statistics.median(_median_call(lambda: a + b, burst) for _ in range(iters))
+    out["add"] = {"overhead": 0.0, "per_value": t_add / m}
+    t_copy = min(_median_call(lambda: big.clone(), 3) for _ in range(iters))
+    out["copy_bandwidth_GBps"] = 2 * 4 * numel / t_copy / 1e9
+    return out
+
+
+_OPS = ("encode", "reduce", "decode")
+
+
+def _time_codec(
+    codec: Any, big: Any, other: Any, sub_chunk: int, iters: int, burst: int
+) -> tuple[dict[str, Any], list[int]]:
+    """One codec's row of :func:`calibrate_kernels` and the sizes it was timed at."""
+    from dynamiq.codecs import HopContext
+
+    align = codec.block_size
+    large = max(align, sub_chunk // align * align)
+    small = max(align, large // 4 // align * align)
+    row: dict[str, Any] = {}
+    shared = None
+    prologue = getattr(codec, "prologue", None)
+    if callable(prologue):
+        t_pro = statistics.median(
+            _median_call(lambda: prologue(big, _OneRank()), 1) for _ in range(iters)
+        )
+        shared = prologue(big, _OneRank())
+        n = big.numel()
+        row["prologue"] = {"overhead": 0.0, "per_value": t_pro / n, "seconds": {str(n): t_pro}}
+    # a hop inside a 4-rank all-reduce: one contribution in, two out
+    c_in = HopContext(hop=0, num_hops=2, contributions=1, world_size=4, shared=shared)
+    c_out = HopContext(hop=1, num_hops=2, contributions=2, world_size=4, shared=shared)
+    times: dict[str, dict[int, float]] = {op: {} for op in _OPS}
+    for m in sorted({small, large}):
+        x, y = big[:m].contiguous(), other[:m].contiguous()
+        payload = codec.encode(x, c_in)
+        for op, fn in _ops(codec, x, y, payload, c_in, c_out).items():
+            times[op][m] = statistics.median(_median_call(fn, burst) for _ in range(iters))
+    for op, by in times.items():
+        row[op] = _line(by)
+    return row, sorted({small, large})
+
+
+def _ops(codec: Any, x: Any, y: Any, payload: Any, c_in: Any, c_out: Any) -> dict[str, Any]:
+    """The three calls the engine makes, on one sub-chunk."""
+
+    def encode() -> Any:
+        return codec.encode(x, c_in)
+
+    def reduce() -> Any:
+        return codec.reduce(payload, y, c_in, c_out)
+
+    def decode() -> Any:
+        return codec.decode(payload, x.numel(), c_in)
+
+    return {"encode": encode, "reduce": reduce, "decode": decode}
+
+
+def _line(by_size: dict[int, float]) -> dict[str, Any]:
+    from .costs import Cost
+
+    sizes = sorted(by_size)
+    if len(sizes) == 1:
+        c = Cost(0.0, by_size[sizes[0]] / sizes[0])
+    else:
+        c = Cost.fit(sizes[0], by_size[sizes[0]], sizes[-1], by_size[sizes[-1]])
+    return {
+        "overhead": c.overhead,
+        "per_value": c.per_value,
+        "seconds": {str(k): v for k, v in by_size.items()},
+    }
+
+
+# -- the network ----------------------------------------------------------------------------------
+
+
+def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[list[int]]]]]:
+    """Per pattern, per rank, its rounds, each a list of transfers ``[send_to, recv_from,
+    nbytes, pieces]`` that run at once (:mod:`dynamiq.plan._link_worker`)."""
+
+    def pieces(b: int) -> int:
+        return max(1, -(-b // piece))
+
+    stream = [[[[(r + 1) % n, (r - 1) % n, nbytes, pieces(nbytes)]]] for r in range(n)]
+    half = nbytes // 2
+    two = [
+        [
+            [
+                [(r + 1) % n, (r - 1) % n, half, pieces(half)],
+                [(r + 2) % n, (r - 2) % n, half, pieces(half)],
+            ]
+        ]
+        for r in range(n)
+    ]
+    p = 1 << (n.bit_length() - 1)  # the largest power of two <= n
+    steps = p.bit_length() - 1
+    sizes = [nbytes >> (i + 1) for i in range(steps)]
+    sizes = sizes + sizes[::-1]
+    masks = [1 << i for i in range(steps)]
+    masks = masks + masks[::-1]
+    switch, fixed = [], []
+    for r in range(n):
+        if r >= p:  # ranks beyond the power of two sit out
+            switch.append([[[-1, -1, 0, 1]]] * len(sizes))
+            fixed.append([[[-1, -1, 0, 1]]] * len(sizes))
+            continue
+        switch.append([[[r ^ m, r ^ m, b, pieces(b)]] for m, b in zip(masks, sizes, strict=True)])
+        fixed.append([[[r ^ 1, r ^ 1, b, pieces(b)]] for b in sizes])
+    out = {"stream": stream, "exchange_fixed_partner": fixed, "exchange_switch_partner": switch}
+    if n >= 3:
+        out["two_streams"] = two
+    return out
+
+
+def _run_ranks(cl: Any, spec: dict[str, Any], tmp: str) -> list[dict[str, Any]]:
+    spec_path = os.path.join(tmp, "spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    procs, logs = [], []
+    for r in range(cl.n):
+        log = os.path.join(tmp, f"rank{r}.log")
+        logs.append(log)
+        argv = [sys.executable, "-m", "dynamiq.plan._link_worker", "--rank", str(r)]
+        argv += ["--world", str(cl.n), "--master", f"{cl.addresses[0]}:{_PORT}"]
+        argv += ["--spec", spec_path, "--out", os.path.join(tmp, f"rank{r}.json")]
+        with open(log, "w") as err:
+            env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+            procs.append(cl.popen(r, argv, env=env, stdout=subprocess.DEVNULL, stderr=err))
+    deadline = time.monotonic() + float(spec.get("timeout", 300)) * 2
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        bad = next((r for r, c in enumerate(codes) if c not in (None, 0)), None)
+        if bad is not None:
+            tail = ""
+            with contextlib.suppress(OSError), open(logs[bad]) as f:
+                tail = f.read()[-2000:]
+            raise RuntimeError(f"rank {bad} of the link benchmark failed:\n{tail}")
+        if all(c == 0 for c in codes):
+            break
+        time.sleep(0.2)
+    else:
+        raise RuntimeError("the link benchmark did not finish in time")
+    out = []
+    for r in range(cl.n):
+        with open(os.path.join(tmp, f"rank{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def calibrate_network(
+    rates: Sequence[str],
+    ranks: int = 4,
+    *,
+    nbytes: int | None = None,
+    piece: int = 1 << 20,
+    repeats: int = 3,
+    delay_ms: float = 0.1,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Latency, goodput and send cost of the emulated cluster's links at each rate (module
+    docstring). ``nbytes`` per stream: default 1.5 s of the rate's line time."""
+    from dynamiq.bench.netns import EmulatedCluster, check_available, parse_rate
+
+    check_available()
+    out: dict[str, Any] = {
+        "kind": "dynamiq-plan-network",
+        "date": _now(),
+        "machine": _machine(),
+        "ranks": ranks,
+        "piece_bytes": piece,
+        "load_before": list(os.getloadavg()),
+        "rates": {},
+    }
+    for rate in rates:
+        bps = parse_rate(rate)
+        size = nbytes or int(1.5 * bps / 8)
+        spec = {
+            "pingpong_iters": 200,
+            "pingpong_bytes": 8,
+            "repeats": repeats,
+            "patterns": link_patterns(ranks, size, piece),
+            "timeout": 300,
+        }
+        with EmulatedCluster(ranks, rate, delay_ms) as cl, tempfile.TemporaryDirectory() as tmp:
+            per_rank = _run_ranks(cl, spec, tmp)
+            shaping = dict(cl.shaping)
+        out["rates"][rate] = _summarise_links(per_rank, spec, size, bps, shaping)
+        if progress:
+            s = out["rates"][rate]
+            print(
+                f"{rate}: latency {s['latency_s'] * 1e6:.0f} us, efficiency "
+                f"{s['efficiency']:.3f}, send {s['send_per_byte_s'] * 1e9:.2f} ns/byte, "
+                f"switch/fixed {s['switch_over_fixed']:.3f}, two streams "
+                f"{s['two_streams_efficiency']:.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    out["load_after"] = list(os.getloadavg())
+    return out
+
+
+def _summarise_links(
+    per_rank: list[dict[str, Any]], spec: dict[str, Any], size: int, bps: int, shaping: Any
+) -> dict[str, Any]:
+    def slowest(name: str) -> float:
+        reps = len(per_rank[0]["patterns"][name]["seconds"])
+        return statistics.median(
+            max(pr["patterns"][name]["seconds"][i] for pr in per_rank) for i in range(reps)
+        )
+
+    stream_s = slowest("stream")
+    fixed_s, switch_s = slowest("exchange_fixed_partner"), slowest("exchange_switch_partner")
+    in_send = statistics.median(
+        statistics.median(pr["patterns"]["stream"]["isend_seconds"]) for pr in per_rank
+    )
+    rtt = per_rank[0]["pingpong_rtt_median"]
+    two_s = slowest("two_streams") if "two_streams" in per_rank[0]["patterns"] else stream_s
+    return {
+        "rate_bps": bps,
+        "stream_bytes": size,
+        "latency_s": rtt / 2,
+        "stream_seconds": stream_s,
+        "efficiency": min(1.0, 8 * size / stream_s / bps),
+        "send_per_byte_s": in_send / size,
+        "exchange_fixed_partner_seconds": fixed_s,
+        "exchange_switch_partner_seconds": switch_s,
+        "switch_over_fixed": switch_s / fixed_s,
+        # the same bytes to two peers at once: the efficiency of two connections sharing a link
+        "two_streams_seconds": two_s,
+        "two_streams_efficiency": min(1.0, 8 * (size // 2 * 2) / two_s / bps),
+        "shaping": shaping,
+    }
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}"

@@ -1,0 +1,463 @@
+"""The cost model of ``dynamiq plan``: the engine's own plan, replayed in time.
+
+The bytes are exact: the schedule's plan (:func:`dynamiq.collectives.plan_schedule`) and the
+engine's chunk layout (:func:`dynamiq.collectives.chunk_layout`) say, for every rank and
+round, which sub-chunks it sends (each ``codec.encoded_nbytes`` long: no data needed; codecs
+whose size depends on the data count their ``bits_per_value`` bound and an 8-byte length),
+which it encodes first, and what it does with each received one (``copy``, ``fused`` reduce,
+or ``keep`` an fp32 sum).
+
+The time is a small discrete-event simulation of exactly that work, in the engine's order
+(:func:`dynamiq.collectives.engine.run_schedule`): every rank is one thread of CPU steps
+(encode, fused reduce, deferred decode, the ``isend`` call itself), each costing its
+:class:`~dynamiq.plan.costs.CodecCost` (times the host's ``cpu_slowdown``); messages are α-β
+transfers that hold the sender's uplink and the receiver's downlink (:class:`~dynamiq.plan.
+costs.Link`) and start no earlier than the receive is posted (plus α for the notice). On the
+CPU rounds overlap as the engine does it: the next round's receives are posted a round ahead
+and a piece it sends goes out as soon as this round has finished its input; finished chunks
+are decoded one piece before each wait. On CUDA (``Host.lookahead=False``) rounds are
+lock-step. An all-reduce lasts until its slowest rank is done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynamiq.codecs import HopContext, get_codec
+from dynamiq.collectives import get_schedule
+from dynamiq.collectives.planning import chunk_layout, plan_schedule
+
+from .costs import CodecCost, Host, Link
+
+__all__ = ["Cluster", "Prediction", "simulate", "wire_bytes"]
+
+PHASES = ("prologue", "encode", "reduce", "decode", "send", "wait")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``ranks`` ranks, ``ranks_per_node`` to a node: ``intra`` links inside a node,
+    ``inter`` between nodes (every rank its own NIC)."""
+
+    ranks: int
+    inter: Link
+    ranks_per_node: int = 1
+    intra: Link | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranks < 2:
+            raise ValueError(f"ranks must be >= 2 (got {self.ranks})")
+        if not 1 <= self.ranks_per_node <= self.ranks:
+            raise ValueError(
+                f"ranks per node must be in 1..{self.ranks} (got {self.ranks_per_node})"
+            )
+        if self.ranks_per_node > 1 and self.intra is None:
+            raise ValueError("ranks per node > 1 needs an intra-node link")
+
+    def link(self, a: int, b: int) -> Link:
+        same = a // self.ranks_per_node == b // self.ranks_per_node
+        return self.intra if same and self.intra is not None else self.inter
+
+
+@dataclass
+class Prediction:
+    """What :func:`simulate` predicts for one all-reduce."""
+
+    codec: str
+    schedule: str
+    seconds: float
+    bits_per_value: float
+    bytes_sent_per_rank: float  # mean over ranks
+    exact_bytes: bool  # False: a data-dependent codec's upper bound
+    phases: dict[str, float]  # mean over ranks, seconds
+    rounds: list[dict[str, float]]  # per round, rank 0
+    per_rank_seconds: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "codec": self.codec,
+            "schedule": self.schedule,
+            "seconds": self.seconds,
+            "bits_per_value": self.bits_per_value,
+            "bytes_sent_per_rank": self.bytes_sent_per_rank,
+            "exact_bytes": self.exact_bytes,
+            "phases": self.phases,
+            "rounds": self.rounds,
+            "per_rank_seconds": self.per_rank_seconds,
+        }
+
+
+# -- exact bytes --------------------------------------------------------------------------------
+
+
+def _piece_bytes(codec: Any, a: int, b: int, ctx: HopContext) -> tuple[int, bool]:
+    """(bytes on the wire, size known exactly) of one sub-chunk."""
+    ctx = dataclasses.replace(ctx, offset=a)
+    n = codec.encoded_nbytes(b - a, ctx)
+    if n is not None:
+        return int(n), True
+    bound = -(-int(codec.bits_per_value(b - a) * (b - a)) // 8)
+    return bound + 8, False  # + the engine's length header
+
+
+class _CountingComm:
+    """A ``PrologueComm`` that counts what a rank's all-gathers send (sizes depend on the
+    layout only) and hands every rank's tensor back as its own."""
+
+    def __init__(self, ranks: int):
+        self.rank, self.world_size, self.bytes_sent = 0, ranks, 0
+
+    def allgather(self, tensor: Any) -> list[Any]:
+        self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1)
+        return [tensor] * self.world_size
+
+
+def prologue_bytes(codec: Any, ranks: int, numel: int) -> int:
+    """Bytes a rank sends in ``codec``'s prologue (0 without one), from a run on zeros."""
+    import torch
+
+    c = get_codec(codec)
+    prologue = getattr(c, "prologue", None)
+    if not callable(prologue):
+        return 0
+    comm = _CountingComm(ranks)
+    prologue(torch.zeros(numel), comm)
+    return comm.bytes_sent
+
+
+def wire_bytes(
+    codec: Any, schedule: Any, ranks: int, numel: int, sub_chunk: int = 1 << 18
+) -> tuple[list[int], bool]:
+    """Bytes each rank sends in one all-reduce (the engine's ``bytes_sent``: payloads, length
+    headers, the prologue's exchange), and whether they are exact."""
+    c = get_codec(codec)
+    sched = get_schedule(schedule, ranks)
+    plan = plan_schedule(sched, c)
+    _, pieces = chunk_layout(numel, sched, c, sub_chunk)
+    sent, exact = [prologue_bytes(c, ranks, numel)] * ranks, True
+    for r in range(ranks):
+        for rnd in plan[r]:
+            for op in rnd.sends:
+                for a, b in pieces[op.chunk]:
+                    nb, ex = _piece_bytes(op.codec, a, b, op.ctx)
+                    sent[r] += nb
+                    exact &= ex
+    return sent, exact
+
+
+# -- the simulation -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Msg:
+    src: int
+    dst: int
+    nbytes: int
+    issued: float | None = None
+    posted: float | None = None
+    end: float | None = None  # last byte serialised (the send completes)
+    arrival: float | None = None
+
+
+class _Net:
+    """Links as FIFO servers: a message holds its sender's uplink and receiver's downlink."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self.up = [0.0] * cluster.ranks
+        self.down = [0.0] * cluster.ranks
+        self.last_dst = [-1] * cluster.ranks
+
+    def schedule(self, m: _Msg) -> None:
+        assert m.issued is not None and m.posted is not None
+        link = self.cluster.link(m.src, m.dst)
+        ready = m.posted + link.latency_s if m.posted > m.issued else m.issued
+        # queued behind a message to another peer: two connections share the uplink
+        shared = self.up[m.src] > ready and self.last_dst[m.src] not in (-1, m.dst)
+        start = max(ready, self.up[m.src], self.down[m.dst])
+        m.end = start + link.seconds(m.nbytes, shared)
+        self.up[m.src] = self.down[m.dst] = m.end
+        self.last_dst[m.src] = m.dst
+        m.arrival = m.end + link.latency_s
+
+
+_Step = tuple[str, Any]  # ("cpu", (seconds, phase)) | ("send", msg) | ("post", msg) | ("wait", …)
+
+
+def simulate(
+    codec: Any,
+    schedule: Any,
+    cluster: Cluster,
+    numel: int,
+    costs: CodecCost,
+    host: Host,
+    *,
+    sub_chunk: int = 1 << 18,
+    intra_costs: Callable[[Any], CodecCost] | None = None,
+) -> Prediction:
+    """Predict one all-reduce of ``numel`` fp32 values (module docstring).
+
+    ``costs`` are the codec's kernel costs; a schedule step with its own codec (the
+    hierarchical schedule's ``intra_codec``) costs ``intra_costs(that codec)``."""
+    if numel < 1:
+        raise ValueError(f"numel must be positive (got {numel})")
+    n = cluster.ranks
+    c = get_codec(codec)
+    sched = get_schedule(schedule, n)
+    plan = plan_schedule(sched, c)
+    _, pieces = chunk_layout(numel, sched, c, sub_chunk)
+    key = json_key(c)
+
+    def cost_of(cc: Any) -> CodecCost:
+        if json_key(cc) == key or intra_costs is None:
+            return costs
+        return intra_costs(cc)
+
+    # every message of the run, matched (sender's k-th send to dst in round order == the
+    # receiver's k-th receive from src), created up front
+    msgs: dict[tuple[Any, ...], _Msg] = {}  # (src, dst, round, chunk, piece)
+    exact = True
+    for r in range(n):
+        for k, rnd in enumerate(plan[r]):
+            for op in rnd.sends:
+                assert rnd.send_to is not None
+                for j, (a, b) in enumerate(pieces[op.chunk]):
+                    nb, ex = _piece_bytes(op.codec, a, b, op.ctx)
+                    exact &= ex
+                    msgs[(r, rnd.send_to, k, op.chunk, j)] = _Msg(r, rnd.send_to, nb)
+    net = _Net(cluster)
+    clocks = [0.0] * n
+    phases = [dict.fromkeys(PHASES, 0.0) for _ in range(n)]
+    rounds: list[dict[str, float]] = []
+    slow = host.cpu_slowdown
+
+    def proc(r: int) -> Generator[_Step, None, None]:
+        rp = plan[r]
+        encoded = [False] * sched.num_chunks
+        last_recv: dict[int, int] = {}
+        for k, rnd in enumerate(rp):
+            for op in rnd.recvs:
+                last_recv[op.chunk] = k
+        deferred: list[tuple[int, int]] = []  # (round, piece values)
+        decoded: set[tuple[int, int]] = set()
+        decode_cost: dict[int, CodecCost] = {}
+
+        def fixed(k: int) -> bool:
+            return all(
+                op.codec.encoded_nbytes(b - a, op.ctx) is not None
+                for op in rp[k].recvs
+                for a, b in pieces[op.chunk]
+            )
+
+        def recv_list(k: int) -> list[tuple[Any, int, int, _Msg]]:
+            rnd = rp[k]
+            out = []
+            for op in rnd.recvs:
+                for j, (a, b) in enumerate(pieces[op.chunk]):
+                    out.append((op, j, b - a, msgs[(rnd.recv_from, r, k, op.chunk, j)]))
+            return out
+
+        def send_items(k: int, prev: list[Any]) -> list[tuple[Any, int, int, int]]:
+            where = {(op.chunk, j): i for i, (op, j, _, _) in enumerate(prev)}
+            return [
+                (sop, j, b - a, where.get((sop.chunk, j), -1))
+                for sop in rp[k].sends
+                for j, (a, b) in enumerate(pieces[sop.chunk])
+            ]
+
+        def issue(k: int, items: list[Any], pos: int, done: int) -> Generator[_Step, None, int]:
+            rnd = rp[k]
+            while pos < len(items) and items[pos][3] <= done:
+                sop, j, m, _ = items[pos]
+                pos += 1
+                cc = cost_of(sop.codec)
+                if sop.encode:
+                    t = cc.encode(m)
+                    if encoded[sop.chunk]:  # an encoded local value (another codec's)
+                        t += decode_cost.get(sop.chunk, cc).decode(m)
+                    yield ("cpu", (t * slow, "encode"))
+                msg = msgs[(r, rnd.send_to, k, sop.chunk, j)]
+                yield ("cpu", (host.send(msg.nbytes) * slow, "send"))
+                yield ("send", msg)
+            return pos
+
+        posted: dict[int, list[Any]] = {}
+        early: tuple[list[Any], int] | None = None
+        if callable(getattr(c, "prologue", None)):
+            yield ("cpu", (costs.prologue(numel) * slow, "prologue"))
+            # the all-gather of a few values: one latency out and one back, at least
+            lat = max(cluster.link(r, p).latency_s for p in range(n) if p != r)
+            yield ("cpu", (2 * lat, "prologue"))
+        for k, rnd in enumerate(rp):
+            t_round = clocks[r]
+            if k in posted:
+                incoming = posted.pop(k)
+            else:
+                incoming = recv_list(k)
+                if fixed(k):
+                    for *_, msg in incoming:
+                        yield ("post", msg)
+            ahead = host.lookahead and k + 1 < len(rp)
+            if ahead and fixed(k) and fixed(k + 1):
+                posted[k + 1] = recv_list(k + 1)
+                for *_, msg in posted[k + 1]:
+                    yield ("post", msg)
+            items, pos = early if early is not None else (send_items(k, []), 0)
+            pos = yield from issue(k, items, pos, 1 << 62)
+            for sop in rnd.sends:
+                if sop.encode:
+                    encoded[sop.chunk] = True
+                    decode_cost[sop.chunk] = cost_of(sop.codec)
+            nxt = send_items(k + 1, incoming) if ahead else None
+            npos = 0
+            if nxt is not None:
+                npos = yield from issue(k + 1, nxt, 0, -1)
+            for i, (op, j, m, msg) in enumerate(incoming):
+                if deferred and deferred[0][0] < k:
+                    _, dm = deferred.pop(0)
+                    yield ("cpu", (cost_of(op.codec).decode(dm) * slow, "decode"))
+                if msg.posted is None:  # data-dependent size: header, then the payload
+                    yield ("post", msg)
+                yield ("wait", msg)
+                cc = cost_of(op.codec)
+                if op.mode == "fused":
+                    t = cc.reduce(m) + (cc.decode(m) if encoded[op.chunk] else 0.0)
+                    yield ("cpu", (t * slow, "reduce"))
+                elif op.mode == "keep":
+                    t = cc.decode(m) + host.add(m)
+                    yield ("cpu", (t * slow, "reduce"))
+                if op.mode != "keep" and last_recv[op.chunk] == k:
+                    deferred.append((k, m))
+                    decoded.add((op.chunk, j))
+                if nxt is not None:
+                    npos = yield from issue(k + 1, nxt, npos, i)
+            for op in rnd.recvs:
+                encoded[op.chunk] = op.mode != "keep"
+                decode_cost[op.chunk] = cost_of(op.codec)
+            early = (nxt, npos) if nxt is not None else None
+            for sop in rnd.sends:
+                for j in range(len(pieces[sop.chunk])):
+                    yield ("wait_send", msgs[(r, rnd.send_to, k, sop.chunk, j)])
+            if r == 0:
+                rounds.append(_round_row(k, t_round, clocks[0], rnd, msgs, r, pieces, cluster))
+        for _, dm in deferred:
+            yield ("cpu", (costs.decode(dm) * slow, "decode"))
+        for ch in range(sched.num_chunks):
+            if encoded[ch]:
+                for j, (a, b) in enumerate(pieces[ch]):
+                    if (ch, j) not in decoded:
+                        t = decode_cost.get(ch, costs).decode(b - a)
+                        yield ("cpu", (t * slow, "decode"))
+
+    _run(proc, n, clocks, phases, net)
+    sent, _ = wire_bytes(c, sched, n, numel, sub_chunk)
+    carried = 2 * (n - 1) / n * numel
+    mean_sent = sum(sent) / n
+    return Prediction(
+        codec=key if not isinstance(codec, str) else codec,
+        schedule=sched.name,
+        seconds=max(clocks),
+        bits_per_value=8 * mean_sent / carried,
+        bytes_sent_per_rank=mean_sent,
+        exact_bytes=exact,
+        phases={ph: sum(p[ph] for p in phases) / n for ph in PHASES},
+        rounds=rounds,
+        per_rank_seconds=list(clocks),
+    )
+
+
+def json_key(codec: Any) -> str:
+    import json
+
+    return json.dumps(get_codec(codec).get_config(), sort_keys=True)
+
+
+def _round_row(
+    k: int, t0: float, t1: float, rnd: Any, msgs: Any, r: int, pieces: Any, cluster: Cluster
+) -> dict[str, float]:
+    nbytes = sum(
+        msgs[(r, rnd.send_to, k, sop.chunk, j)].nbytes
+        for sop in rnd.sends
+        for j in range(len(pieces[sop.chunk]))
+    )
+    link = cluster.link(r, rnd.send_to) if rnd.send_to is not None else cluster.inter
+    return {
+        "round": k,
+        "start": t0,
+        "end": t1,
+        "bytes_sent": nbytes,
+        "wire_seconds": link.seconds(nbytes),
+        "latency_seconds": link.latency_s,
+    }
+
+
+def _run(
+    proc: Callable[[int], Generator[_Step, None, None]],
+    n: int,
+    clocks: list[float],
+    phases: list[dict[str, float]],
+    net: _Net,
+) -> None:
+    """Advance the rank with the earliest clock, one step at a time; a rank waiting for a
+    message not yet sent (or not yet on the wire) sleeps until it is."""
+    gens = [proc(r) for r in range(n)]
+    tie = itertools.count()
+    ready: list[tuple[float, int, int]] = [(0.0, next(tie), r) for r in range(n)]
+    blocked: dict[int, tuple[int, _Msg, str]] = {}  # id(msg) -> (rank, msg, kind)
+    pending: dict[int, _Msg] = {}  # issued or posted, not both yet
+
+    def wake(m: _Msg) -> None:
+        b = blocked.pop(id(m), None)
+        if b is not None:
+            rank, _, kind = b
+            t = m.arrival if kind == "wait" else m.end
+            assert t is not None
+            phases[rank]["wait"] += max(0.0, t - clocks[rank])
+            clocks[rank] = max(clocks[rank], t)
+            heapq.heappush(ready, (clocks[rank], next(tie), rank))
+
+    def maybe_schedule(m: _Msg) -> None:
+        if m.issued is not None and m.posted is not None and m.end is None:
+            pending.pop(id(m), None)
+            net.schedule(m)
+            wake(m)
+        else:
+            pending[id(m)] = m
+
+    while ready:
+        _, _, r = heapq.heappop(ready)
+        while True:
+            try:
+                kind, arg = next(gens[r])
+            except StopIteration:
+                break
+            if kind == "cpu":
+                dt, ph = arg
+                clocks[r] += dt
+                phases[r][ph] += dt
+                heapq.heappush(ready, (clocks[r], next(tie), r))
+                break
+            if kind == "send":
+                arg.issued = clocks[r]
+                maybe_schedule(arg)
+                continue
+            if kind == "post":
+                arg.posted = clocks[r]
+                maybe_schedule(arg)
+                continue
+            # "wait" (for its arrival) or "wait_send" (for its last byte to leave)
+            t = arg.arrival if kind == "wait" else arg.end
+            if t is None:
+                blocked[id(arg)] = (r, arg, kind)
+                break
+            phases[r]["wait"] += max(0.0, t - clocks[r])
+            clocks[r] = max(clocks[r], t)
+            heapq.heappush(ready, (clocks[r], next(tie), r))
+            break
+    if blocked:
+        raise RuntimeError(f"the simulation deadlocked with {len(blocked)} rank(s) waiting")

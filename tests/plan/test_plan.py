@@ -1,0 +1,203 @@
+"""``dynamiq plan``: the α-β model against hand-computed cases, its bytes against the engine's,
+the command line's JSON and its argument errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dynamiq.bench.cli import main
+from dynamiq.collectives import simulate_allreduce
+from dynamiq.plan.costs import CodecCost, Cost, Host, Link, load_kernel_table
+from dynamiq.plan.model import Cluster, simulate, wire_bytes
+
+ZERO = CodecCost(Cost(), Cost(), Cost())
+LOCKSTEP = Host(lookahead=False)
+
+
+def test_two_rank_ring_is_two_alpha_beta_steps() -> None:
+    # 2 ranks, fp32, one piece per chunk: round 0 sends half the buffer, round 1 (all-gather)
+    # the other half once round 0 has arrived: 2 (alpha + B / beta)
+    numel, rate, alpha = 1 << 16, 1e9, 1e-4
+    link = Link(rate, alpha)
+    b = 4 * numel / 2
+    p = simulate("fp32", "ring", Cluster(2, link), numel, ZERO, LOCKSTEP, sub_chunk=numel)
+    assert p.seconds == pytest.approx(2 * (alpha + 8 * b / rate), rel=1e-12)
+    assert p.bits_per_value == pytest.approx(32.0)
+
+
+def test_two_rank_ring_kernel_times_add_where_the_engine_waits_for_them() -> None:
+    # encode e, send, fused reduce r on arrival, forward; the reduced chunk's decode d runs
+    # while round 1's data is in flight (hidden when d < alpha + B/beta), the received
+    # chunk's decode after the last round: e + r + 2 (alpha + B/beta) + d
+    numel, rate, alpha = 1 << 16, 1e9, 1e-4
+    e, r, d = 3e-4, 5e-4, 2e-4
+    costs = CodecCost(Cost(e), Cost(r), Cost(d))
+    step = alpha + 8 * 4 * numel / 2 / rate
+    assert d < step
+    p = simulate(
+        "fp32", "ring", Cluster(2, Link(rate, alpha)), numel, costs, LOCKSTEP, sub_chunk=numel
+    )
+    assert p.seconds == pytest.approx(e + r + 2 * step + d, rel=1e-12)
+    assert p.phases["encode"] == pytest.approx(e)
+    assert p.phases["reduce"] == pytest.approx(r)
+    assert p.phases["decode"] == pytest.approx(2 * d)
+
+
+def test_four_rank_butterfly_is_halving_then_doubling() -> None:
+    # recursive halving: 2 chunks then 1 chunk to the partner, doubling: 1 then 2; each round
+    # alpha + its bytes / beta (the chunk messages of a round go back to back on one link)
+    numel, rate, alpha = 1 << 16, 1e8, 2e-4
+    chunk = 4 * numel / 4
+    p = simulate(
+        "fp32", "butterfly", Cluster(4, Link(rate, alpha)), numel, ZERO, LOCKSTEP, sub_chunk=numel
+    )
+    assert p.seconds == pytest.approx(4 * alpha + 6 * 8 * chunk / rate, rel=1e-12)
+    assert [r["bytes_sent"] for r in p.rounds] == [2 * chunk, chunk, chunk, 2 * chunk]
+
+
+def test_efficiency_and_shared_links_scale_the_wire_time() -> None:
+    numel, rate = 1 << 16, 1e9
+    full = simulate("fp32", "ring", Cluster(2, Link(rate)), numel, ZERO, LOCKSTEP)
+    half = simulate("fp32", "ring", Cluster(2, Link(rate, 0.0, 0.5)), numel, ZERO, LOCKSTEP)
+    assert half.seconds == pytest.approx(2 * full.seconds, rel=1e-12)
+    # overlapped rounds: the pipelined ring approaches 2 (n-1)/n of the buffer over the link
+    n, numel = 4, 1 << 22
+    p = simulate("fp32", "ring", Cluster(n, Link(rate, 1e-6)), numel, ZERO, Host())
+    bound = 2 * (n - 1) / n * 4 * numel * 8 / rate
+    assert bound <= p.seconds < 1.01 * bound
+
+
+@pytest.mark.parametrize("schedule", ["ring", "butterfly"])
+@pytest.mark.parametrize("codec", ["bf16", "int8", "mxfp4", "dynamiq", "thc"])
+def test_bits_per_value_equal_the_engines_bytes(codec: str, schedule: str) -> None:
+    n, numel, sub = 4, 3 * 65536 + 4096, 1 << 15  # uneven chunks, several sub-chunks
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(numel, generator=g) for _ in range(n)]
+    res = simulate_allreduce(xs, codec, schedule, sub_chunk=sub, return_bound=False)
+    sent, exact = wire_bytes(codec, schedule, n, numel, sub)
+    assert exact
+    assert sent == res.bytes_sent
+    p = simulate(codec, schedule, Cluster(n, Link(1e9)), numel, ZERO, Host(), sub_chunk=sub)
+    assert p.bits_per_value == pytest.approx(res.bits_per_value(), rel=1e-12)
+
+
+def test_data_dependent_bytes_are_an_upper_bound() -> None:
+    n, numel = 4, 1 << 16
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(numel, generator=g) for _ in range(n)]
+    res = simulate_allreduce(xs, "omnireduce", "ring", return_bound=False)
+    sent, exact = wire_bytes("omnireduce", "ring", n, numel)
+    assert not exact
+    assert all(s >= m for s, m in zip(sent, res.bytes_sent, strict=True))
+    assert sum(sent) <= 1.01 * sum(res.bytes_sent)  # dense data: every block is sent
+
+
+def test_kernel_tables_load_from_each_format() -> None:
+    bench_rows = [
+        {
+            "codec": "int8",
+            "fused s": 0.01,
+            "bytes moved": 2 * 17 * 2**20 + 4 * 2**24,
+            "copy bandwidth GB/s": 10.0,
+        }
+    ]
+    t = load_kernel_table(bench_rows, "rows")
+    assert t.get("int8").reduce(1 << 24) == pytest.approx(0.01, rel=1e-3)
+    gpu = {
+        "run_1": {
+            "timing": {
+                "numel": 1000,
+                "copy_bandwidth_gbs": 1.0,
+                "codecs": {"bf16": {"fused_seconds": 3e-4, "fused_device_seconds": 1e-4}},
+            }
+        }
+    }
+    g = load_kernel_table(gpu, "gpu")
+    assert g.get("bf16").reduce.overhead == pytest.approx(2e-4)
+    assert g.get("bf16").reduce(1000) == pytest.approx(3e-4)
+    assert g.get("mxfp4").reduce(1000) > 0  # not in the table: the roofline of 1 GB/s
+    with pytest.raises(ValueError, match="not a kernel table"):
+        load_kernel_table({"x": 1}, "junk")
+
+
+def _plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main(["plan", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_json_has_seconds_per_codec_and_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _plan(
+        capsys,
+        "--ranks",
+        "4",
+        "--rate",
+        "100mbit",
+        "--size-mib",
+        "64",
+        "--codecs",
+        "dynamiq,mxfp8_e4m3",
+        "--schedules",
+        "ring",
+        "--json",
+    )
+    assert rc == 0
+    data = json.loads(out)
+    got = {(r["codec"], r["schedule"]): r for r in data["results"]}
+    assert set(got) == {("dynamiq", "ring"), ("mxfp8_e4m3", "ring")}
+    for r in got.values():
+        assert r["seconds"] > 0
+        assert {"encode", "reduce", "decode", "wait"} <= set(r["phases"])
+        assert len(r["rounds"]) == 6
+    # fewer bytes on a 100 Mbit/s link: faster
+    assert got[("dynamiq", "ring")]["seconds"] < got[("mxfp8_e4m3", "ring")]["seconds"]
+    assert got[("mxfp8_e4m3", "ring")]["bits_per_value"] == pytest.approx(8.25, rel=1e-3)
+    assert data["parameters"]["link"]["rate_bps"] == 1e8
+
+
+def test_cli_text_and_break_even(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _plan(
+        capsys,
+        "--profile",
+        "ib400",
+        "--ranks",
+        "8",
+        "--codecs",
+        "mxfp4,bf16",
+        "--schedules",
+        "ring",
+        "--break-even",
+    )
+    assert rc == 0
+    assert "Break-even" in out and "nvlink4" in out and "h100" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ranks", "1"], "--ranks must be >= 2"),
+        (["--rate", "fast"], "--rate"),
+        (["--codecs", "nope"], "nope"),
+        (["--schedules", "spiral"], "spiral"),
+        (["--efficiency", "1.5"], "--efficiency"),
+        (["--size-mib", "0"], "size must be positive"),
+        (["--ranks-per-node", "8"], "ranks per node"),
+        (["--kernel-table", "/nonexistent.json"], "no such file"),
+        (["--mem-bw", "-1"], "memory bandwidth"),
+    ],
+)
+def test_cli_rejects_bad_arguments(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    rc, out, err = _plan(capsys, *args)
+    assert rc == 2
+    assert message in err
+    assert out == ""
+
+
+def test_calibrate_needs_something_to_measure(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _plan(capsys, "calibrate")
+    assert rc == 2 and "--kernels and/or --network" in err
