@@ -14,7 +14,7 @@ with exactly the elements ``[r·S, (r+1)·S)`` FSDP expects.
 Semantics of ``op``: ``SUM``, ``AVG`` (divide by the world size after the sum) and
 ``ReduceOp.PREMUL_SUM(f)`` (what FSDP passes when ``set_gradient_divide_factor`` differs from
 the world size; the sum is multiplied by ``f`` after it, which equals the pre-multiplied sum
-up to one fp32 rounding). The input may be fp32 or bf16 (``MixedPrecisionPolicy.reduce_dtype``):
+up to fp32 rounding). The input may be fp32 or bf16 (``MixedPrecisionPolicy.reduce_dtype``):
 the engine sums in fp32 and the result is rounded once to the output's dtype.
 
 Memory and limits:
@@ -219,7 +219,7 @@ class DynamiqReduceScatter(ReduceScatter):
             old = st.residuals.get(self.name)
         residual = None
         if st.error_feedback:
-            x = x.float()  # a copy for bf16 input; fp32 input is copied by the add below
+            x = x.float()  # fp32 in any case (the engine works on a copy: the input stays)
             if st.error_feedback == "shard":
                 if old is not None and old.numel() == s:
                     x = x.clone()
@@ -273,9 +273,9 @@ class DynamiqReduceScatter(ReduceScatter):
         dtype into ``out``, and extend the certified bound by each rounding."""
         v = shard.values
         bound = shard.stats.bound if shard.stats is not None else None
-        scale = factor / n if how == "avg" else factor
+        scale = 1.0 / n if how == "avg" else factor
         if scale != 1.0:
-            v = v / n if how == "avg" and factor == 1.0 else v * scale
+            v = v / n if how == "avg" else v * factor
             if bound is not None:
                 bound = bound * abs(scale) + v.double().abs() * 2.0**-24 + 2.0**-150
         cast = v.to(out.dtype)

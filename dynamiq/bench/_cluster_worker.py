@@ -72,7 +72,9 @@ def _run_method(
         st: Any = None
         c0 = time.process_time()  # this rank's CPU time, all its threads (gloo's I/O too)
         t0 = time.perf_counter()
-        if method["kind"] == "torch":
+        if spec.get("collective") == "reduce_scatter":
+            buf, st = _reduce_scatter(method, buf, spec, transport)
+        elif method["kind"] == "torch":
             if method["dtype"] == "bf16":  # what bf16_compress_hook does with a bucket
                 half = buf.to(torch.bfloat16)
                 dist.all_reduce(half)
@@ -114,6 +116,32 @@ def _run_method(
         "stats": stats,
         "counters": {k: after[k] - before[k] for k in after},
     }
+
+
+def _reduce_scatter(
+    method: dict[str, Any], x: torch.Tensor, spec: dict[str, Any], transport: Any
+) -> tuple[torch.Tensor, Any]:
+    """This rank's range ``[r·S, (r+1)·S)`` of the sum (what FSDP2 asks for) and the stats."""
+    from dynamiq.collectives import Shard, reduce_scatter
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    s = x.numel() // n
+    if method["kind"] == "torch":
+        src = x.to(torch.bfloat16) if method["dtype"] == "bf16" else x
+        out = torch.empty(s, dtype=src.dtype)
+        dist.reduce_scatter_tensor(out, src)
+        return out.float(), None
+    shard = reduce_scatter(
+        x,
+        method["codec"],
+        method["schedule"],
+        transport=transport,
+        sub_chunk=int(spec["sub_chunk"]),
+        timeout=float(spec["timeout"]),
+        chunk_bounds=[(q * s, (q + 1) * s) for q in range(n)],
+    )
+    assert isinstance(shard, Shard) and shard.ranges == [(r * s, (r + 1) * s)]
+    return shard.values, shard.stats
 
 
 def main(argv: list[str] | None = None) -> int:

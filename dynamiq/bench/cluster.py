@@ -81,6 +81,7 @@ class ClusterBenchConfig:
     compile: bool = False
     timeout: float = 900.0
     sysctls: tuple[tuple[str, str], ...] = ()
+    collective: str = "allreduce"
 
     def __post_init__(self) -> None:
         from dynamiq.codecs import get_codec
@@ -101,6 +102,12 @@ class ClusterBenchConfig:
         for b in self.baselines:
             if b not in _TORCH_BITS:
                 raise ValueError(f"baselines must be among fp32, bf16 (got {b!r})")
+        if self.collective not in ("allreduce", "reduce_scatter"):
+            raise ValueError(
+                f"collective must be 'allreduce' or 'reduce_scatter' (got {self.collective!r})"
+            )
+        if self.collective == "reduce_scatter":
+            _check_reduce_scatter(self.ranks, self.numel, self.schedules)
         if not self.codecs and not self.baselines:
             raise ValueError("nothing to measure: no codecs and no baselines")
         if self.codecs and not self.schedules:
@@ -114,6 +121,18 @@ class ClusterBenchConfig:
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1 (got {self.threads})")
         EmulatedCluster(self.ranks, self.rates[0], self.delay_ms, sysctls=dict(self.sysctls))
+
+
+def _check_reduce_scatter(ranks: int, numel: int, schedules: Sequence[str]) -> None:
+    """Reduce-scatter rows give rank ``r`` FSDP's range ``[r·S, (r+1)·S)``: ``numel`` must
+    split evenly, and each schedule must let every rank own one caller-given range."""
+    from dynamiq.collectives import get_schedule
+    from dynamiq.collectives.api import _bounds_by_chunk
+
+    if numel % ranks:
+        raise ValueError(f"reduce_scatter: numel {numel} is not a multiple of ranks {ranks}")
+    for s in schedules:
+        _bounds_by_chunk(get_schedule(s, ranks), [(0, 0)] * ranks)
 
 
 def _methods(cfg: ClusterBenchConfig) -> list[dict[str, Any]]:
@@ -188,7 +207,8 @@ def _summarise(
     cfg: ClusterBenchConfig, rate: str, per_rank: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     n, numel = cfg.ranks, cfg.numel
-    carried = 2 * (n - 1) / n * numel  # values a rank sends in ring/butterfly
+    # values a rank sends in ring/butterfly (a reduce-scatter is half of an all-reduce)
+    carried = (1 if cfg.collective == "reduce_scatter" else 2) * (n - 1) / n * numel
     rate_bps = parse_rate(rate)
     rows: list[dict[str, Any]] = []
     for k, _ in enumerate(per_rank[0]["results"]):
@@ -304,6 +324,7 @@ def run_cluster_bench(cfg: ClusterBenchConfig, progress: bool = True) -> dict[st
             "threads": cfg.threads,
             "compile": cfg.compile,
             "timeout": cfg.timeout,
+            "collective": cfg.collective,
             "progress": progress,
             "tag": f"{rate} ",
         }
@@ -395,8 +416,15 @@ def text_report(result: dict[str, Any]) -> str:
 
 
 def _legend(cfg: dict[str, Any]) -> str:
+    rs = cfg.get("collective") == "reduce_scatter"
     return (
-        f"{cfg['ranks']} ranks, {cfg['numel'] * 4 / 2**20:g} MiB fp32 ({cfg['data']} data); "
+        (
+            "Reduce-scatter (rank r gets [r·S, (r+1)·S)): pytorch rows are gloo's "
+            "reduce_scatter_tensor. "
+            if rs
+            else ""
+        )
+        + f"{cfg['ranks']} ranks, {cfg['numel'] * 4 / 2**20:g} MiB fp32 ({cfg['data']} data); "
         f"seconds: median over {cfg['repeats']} repeats of the slowest rank. vs pytorch X: "
         "PyTorch's time / this time. ideal vs bf16: 16 / bits per value (bytes ratio). "
         "wire MB/rank: the interface's tx bytes per all-reduce (kernel counters), ours: "
@@ -534,6 +562,14 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
         "net.ipv4.tcp_slow_start_after_idle=0; default: the kernel's defaults, which the "
         "output records",
     )
+    p.add_argument(
+        "--collective",
+        default="allreduce",
+        choices=("allreduce", "reduce_scatter"),
+        help="what to time: the all-reduce (default), or the reduce-scatter FSDP2 runs (rank "
+        "r gets [r·S, (r+1)·S); PyTorch rows: gloo's reduce_scatter_tensor; schedules: ring, "
+        "power-of-two butterfly)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -573,6 +609,7 @@ def check_args(args: argparse.Namespace) -> None:
         compile=args.compile,
         timeout=args.timeout,
         sysctls=tuple(sysctls),
+        collective=args.collective,
     )
 
 
