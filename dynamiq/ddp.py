@@ -19,15 +19,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from dynamiq.codecs import get_codec
-from dynamiq.collectives.api import DEFAULT_THRESHOLD, AllReduceStats, allreduce
+from dynamiq.collectives.api import DEFAULT_THRESHOLD, allreduce
+from dynamiq.collectives.options import CollectiveOptions, OptionKeywords, merge_options
 from dynamiq.collectives.schedules import Schedule
 from dynamiq.collectives.transport import TorchDistTransport
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["DynamiqState", "dynamiq_hook"]
 
@@ -36,22 +40,30 @@ class DynamiqState:
     """State of :func:`dynamiq_hook`: the collective's configuration and per-bucket memory.
 
     Args:
-        codec: codec id, config or Codec for the gradient buckets.
+        codec: codec id, config or Codec for the gradient buckets (default
+            ``"mxfp8_e4m3"``, or ``options.codec``).
         schedule: ``"ring"``, ``"butterfly"``, ``"tree"``, ``"hierarchical"`` or a Schedule.
         process_group: ranks to reduce over; by default a new group over all ranks is made
             (collectively, so construct the state on every rank in the same order), which keeps
             the hook's point-to-point traffic apart from DDP's own.
+        options: a :class:`~dynamiq.collectives.options.CollectiveOptions`; the keywords
+            below replace its fields. ``op`` is always ``"avg"`` (DDP's contract) and
+            ``step`` the state's own counter.
         error_feedback: keep, per rank and per position, what every encoding of this rank lost
             (its own gradient and the partial sums it re-encodes) and add it to the next step's
             gradient, so no lost mass is forgotten.
         seed: seed of stochastic rounding (the step counter and bucket offset are mixed in).
-        threshold: buckets with fewer elements go uncompressed (fp32).
-        timeout: seconds to wait for a peer before raising ``PeerTimeoutError``.
-        schedule_options: keyword options of the schedule (e.g. ``ranks_per_node``).
+        threshold: buckets with fewer elements go uncompressed (fp32); default
+            :data:`~dynamiq.collectives.options.DEFAULT_THRESHOLD`.
+        sub_chunk, timeout, schedule_options: as for
+            :func:`~dynamiq.collectives.allreduce` (``timeout``: seconds to wait for a peer
+            before raising ``PeerTimeoutError``; ``schedule_options``: e.g.
+            ``ranks_per_node``).
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss (mixed precision), so that
             error feedback can keep its residuals unscaled (see below).
 
     ``stats`` holds one dict per completed step: bytes sent and received, seconds per phase.
+    ``close()`` stops the communication thread and closes the state's transport.
 
     **Non-finite steps and loss scaling** (error feedback; docs/guide.md, "Mixed precision").
     A step in which the all-reduced result of any bucket holds NaN or ±Inf (a non-finite
@@ -73,54 +85,44 @@ class DynamiqState:
         "_queue",
         "_step_nonfinite",
         "_thread",
-        "codec",
         "error_feedback",
         "grad_scaler",
         "iter",
+        "options",
         "process_group",
         "residuals",
-        "schedule",
-        "schedule_options",
-        "seed",
         "stats",
-        "sub_chunk",
-        "threshold",
-        "timeout",
         "transport",
     )
 
     def __init__(
         self,
-        codec: Any = "mxfp8_e4m3",
-        schedule: str | Schedule = "ring",
+        codec: Any = None,
+        schedule: str | Schedule | None = None,
         process_group: Any = None,
         *,
+        options: CollectiveOptions | None = None,
         error_feedback: bool = False,
-        seed: int = 0,
-        threshold: int = DEFAULT_THRESHOLD,
-        sub_chunk: int = 1 << 18,
-        timeout: float = 300.0,
-        schedule_options: dict[str, Any] | None = None,
         grad_scaler: Any = None,
+        **keywords: "Unpack[OptionKeywords]",
     ):
         if process_group is None and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "DynamiqState needs an initialised torch.distributed process group: call "
                 "torch.distributed.init_process_group() first (e.g. under torchrun)"
             )
-        self.codec = get_codec(codec)
-        self.schedule = schedule
-        self.schedule_options = dict(schedule_options or {})
+        opts = merge_options("DynamiqState", options, codec=codec, schedule=schedule, **keywords)
+        self.options = opts.replace(
+            codec=get_codec(opts.codec if opts.codec is not None else "mxfp8_e4m3"),
+            threshold=opts.threshold if opts.threshold is not None else DEFAULT_THRESHOLD,
+            op="avg",
+        )
         if process_group is None:
             process_group = dist.new_group(backend=dist.get_backend())
         self.process_group = process_group
         self.transport = TorchDistTransport(process_group)
         self.error_feedback = bool(error_feedback)
         self.grad_scaler = grad_scaler
-        self.seed = seed
-        self.threshold = threshold
-        self.sub_chunk = sub_chunk
-        self.timeout = timeout
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}
         self._pending: dict[int, torch.Tensor] = {}  # this step's residuals, not yet kept
@@ -130,6 +132,11 @@ class DynamiqState:
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name="dynamiq-comm")
         self._thread.start()
+
+    @property
+    def codec(self) -> Any:
+        """The codec of the buckets (a :class:`~dynamiq.codecs.Codec`)."""
+        return get_codec(self.options.codec)  # type: ignore[arg-type]  # resolved in __init__
 
     # -- the communication thread --------------------------------------------------------
 
@@ -145,9 +152,11 @@ class DynamiqState:
         self._queue.put(job)
 
     def close(self) -> None:
-        """Stop the communication thread (after the jobs already submitted)."""
+        """Stop the communication thread (after the jobs already submitted) and close the
+        state's transport (it made it; the process group stays)."""
         self._queue.put(None)
         self._thread.join()
+        self.transport.close()
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -276,19 +285,12 @@ def dynamiq_hook(
             t0 = time.perf_counter()
             stats = allreduce(
                 work,
-                state.codec,
-                state.schedule,
-                seed=state.seed ^ (index << 20),
+                options=state.options,
+                seed=state.options.seed ^ (index << 20),
                 step=step,
-                op="avg",
-                threshold=state.threshold,
-                sub_chunk=state.sub_chunk,
-                timeout=state.timeout,
                 transport=state.transport,
-                schedule_options=state.schedule_options,
                 residual=residual,
             )
-            assert isinstance(stats, AllReduceStats)  # synchronous on this thread
             if residual is not None:
                 state._stage_residual(index, residual, work, scale)
                 if is_last:

@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world,
         timeout=timedelta(seconds=float(spec["timeout"])),
     )
-    from dynamiq.collectives import TorchDistTransport
+    from dynamiq.collectives.transport import TorchDistTransport
 
     # one persistent transport, as the DDP hook keeps: the configuration handshake runs once
     # per configuration (in the warm-up), not in every timed call

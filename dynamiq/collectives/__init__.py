@@ -1,4 +1,14 @@
-"""Multi-hop all-reduce: any codec × any schedule × torch.distributed or the simulator."""
+"""Multi-hop all-reduce: any codec × any schedule × torch.distributed or the simulator.
+
+What a user needs is here; the parts stay importable from their modules:
+:mod:`~dynamiq.collectives.engine` (``ScheduleRun``, ``run_schedule``),
+:mod:`~dynamiq.collectives.planning` (``plan_schedule``, ``chunk_layout``),
+:mod:`~dynamiq.collectives.schedules` (``Step``, ``ScheduleError``, ``ring``, ``butterfly``,
+``tree``, ``hierarchical``), :mod:`~dynamiq.collectives.transport` (``Transport``,
+``TorchDistTransport``, ``LocalCluster``, ``LocalTransport``),
+:mod:`~dynamiq.collectives.handshake` (prologues, the configuration handshake,
+``WIRE_VERSION``) and :mod:`~dynamiq.collectives.bounds` (composing certified bounds).
+"""
 
 from .api import (
     AllReduceHandle,
@@ -10,44 +20,24 @@ from .api import (
     reduce_scatter,
     simulate_allreduce,
 )
-from .engine import WIRE_VERSION, ConfigMismatchError, plan_schedule, run_schedule
-from .schedules import (
-    Schedule,
-    ScheduleError,
-    Step,
-    butterfly,
-    get_schedule,
-    hierarchical,
-    list_schedules,
-    ring,
-    tree,
-)
-from .transport import LocalCluster, LocalTransport, PeerTimeoutError, TorchDistTransport
+from .handshake import ConfigMismatchError
+from .options import CollectiveOptions
+from .schedules import Schedule, get_schedule, list_schedules
+from .transport import PeerTimeoutError
 
 __all__ = [
-    "WIRE_VERSION",
     "AllReduceHandle",
     "AllReduceStats",
+    "CollectiveOptions",
     "ConfigMismatchError",
-    "LocalCluster",
-    "LocalTransport",
     "PeerTimeoutError",
     "Schedule",
-    "ScheduleError",
     "Shard",
     "SimResult",
-    "Step",
-    "TorchDistTransport",
     "all_gather",
     "allreduce",
-    "butterfly",
     "get_schedule",
-    "hierarchical",
     "list_schedules",
-    "plan_schedule",
     "reduce_scatter",
-    "ring",
-    "run_schedule",
     "simulate_allreduce",
-    "tree",
 ]

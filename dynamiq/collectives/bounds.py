@@ -44,14 +44,16 @@ def fp32_add_slack(total: torch.Tensor) -> torch.Tensor:
     return total.double().abs() * ADD_REL + TINY
 
 
-def addition_bound(total: torch.Tensor, *held: torch.Tensor) -> torch.Tensor:
-    """Bound of ``total = fl(a + b + ...)`` (one fp32 addition of values whose bounds are
-    ``held``): the sum of the ``held`` bounds, in order, plus :func:`fp32_add_slack`.
+def addition_bound(total: torch.Tensor, *held: torch.Tensor | float) -> torch.Tensor:
+    """Bound of ``total = fl(a + b)`` (an fp32 addition of values whose bounds are ``held``):
+    the sum of the ``held`` bounds, in order, plus :func:`fp32_add_slack` (fp64, per
+    element).
 
-    ``held`` are fp64 per-element bounds (or anything that broadcasts to ``total``)."""
+    ``held`` are fp64 per-element bounds, or ``0.0`` for an exact addend (a rank's own
+    gradient). Summing ``k`` values takes ``k - 1`` additions: compose one per addition."""
     if not held:
         raise ValueError("addition_bound needs the bound of at least one addend")
-    acc = held[0]
+    acc: torch.Tensor | float = held[0]
     for b in held[1:]:
         acc = acc + b
     return acc + fp32_add_slack(total)

@@ -16,14 +16,9 @@ from hypothesis import strategies as st
 
 from dynamiq.codecs import HopContext, OmniReduceCodec, get_codec
 from dynamiq.codecs.omnireduce import THRESHOLD_KEY, TIE_KEY
-from dynamiq.collectives import (
-    LocalCluster,
-    allreduce,
-    get_schedule,
-    plan_schedule,
-    simulate_allreduce,
-)
-from dynamiq.collectives.engine import chunk_layout
+from dynamiq.collectives import allreduce, get_schedule, simulate_allreduce
+from dynamiq.collectives.planning import chunk_layout, plan_schedule
+from dynamiq.collectives.transport import LocalCluster
 from dynamiq.data import load_slice
 from dynamiq.testing import check_bound_tight, finite_tensors, run_conformance
 

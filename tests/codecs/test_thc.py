@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 import dynamiq.codecs.thc as thc_module
 from dynamiq.codecs import HopContext, ThcCodec, get_codec
 from dynamiq.codecs.thc import DEFAULT_NORM_CLIP, DEFAULT_TABLE, SHARED_KEY, fwht
-from dynamiq.collectives import get_schedule, plan_schedule, simulate_allreduce
-from dynamiq.collectives.engine import chunk_layout
+from dynamiq.collectives import get_schedule, simulate_allreduce
+from dynamiq.collectives.planning import chunk_layout, plan_schedule
 from dynamiq.data import load_slice
 from dynamiq.testing import check_bound_tight, run_conformance
 from dynamiq.testing.strategies import finite_tensors

@@ -125,3 +125,42 @@ def test_dead_or_stalled_peer_raises_within_timeout(mode: str) -> None:
         seconds = float(text.split(" after ")[1].split("s:")[0])
         assert seconds < 15, text
         assert "peer" in text
+
+
+def _job_lifecycle(rank: int, world: int) -> dict:
+    from dynamiq.collectives import CollectiveOptions
+    from dynamiq.collectives.transport import TorchDistTransport, TransportClosedError
+    from dynamiq.ddp import DynamiqState
+
+    tr = TorchDistTransport()
+    opts = CollectiveOptions(codec="int8", schedule="ring", timeout=30)
+    control = [allreduce(torch.ones(5000), options=opts, transport=tr).control_bytes_sent]
+    control.append(allreduce(torch.ones(5000), options=opts, transport=tr).control_bytes_sent)
+    tr.close()
+    try:
+        allreduce(torch.ones(5000), options=opts, transport=tr)
+        closed = "no error"
+    except TransportClosedError as exc:
+        closed = str(exc)
+    state = DynamiqState(options=opts.replace(threshold=0), sub_chunk=512)
+    state.close()
+    return {
+        "control": control,
+        "closed": closed,
+        "state_transport_closed": state.transport.closed,  # type: ignore[attr-defined]
+        "state_codec": state.codec.get_config(),
+        "state_options": (state.options.op, state.options.threshold, state.options.sub_chunk),
+    }
+
+
+def test_transport_lifecycle_over_gloo() -> None:
+    """The torch.distributed transport remembers agreed configurations, refuses transfers
+    once closed, and a DDP state closes the transport it made."""
+    results = run_gloo(_job_lifecycle, 2, timeout=120)
+    for status, out in results:
+        assert status == "ok", out
+        assert out["control"][0] > 0 and out["control"][1] == 0
+        assert "on a closed transport" in out["closed"]
+        assert out["state_transport_closed"] is True
+        assert out["state_codec"]["id"] == "int" and out["state_codec"]["bits"] == 8
+        assert out["state_options"] == ("avg", 0, 512)

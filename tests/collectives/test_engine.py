@@ -13,14 +13,13 @@ import torch
 from dynamiq.codecs import Codec, ErrorBound, HopContext, IntCodec
 from dynamiq.collectives import (
     Schedule,
-    ScheduleError,
-    Step,
     all_gather,
     get_schedule,
     reduce_scatter,
     simulate_allreduce,
 )
-from dynamiq.collectives.engine import PrologueComm
+from dynamiq.collectives.handshake import PrologueComm
+from dynamiq.collectives.schedules import ScheduleError, Step
 from dynamiq.collectives.transport import LocalCluster, run_threads
 
 

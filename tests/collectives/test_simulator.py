@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamiq.codecs import get_codec, list_codecs
-from dynamiq.collectives import get_schedule, plan_schedule, simulate_allreduce
-from dynamiq.collectives.engine import chunk_layout
+from dynamiq.collectives import get_schedule, simulate_allreduce
+from dynamiq.collectives.planning import chunk_layout, plan_schedule
 
 SCHEDULES = ["ring", "butterfly", "tree", "hierarchical"]
 
