@@ -84,9 +84,6 @@ class ClusterBenchConfig:
     collective: str = "allreduce"
 
     def __post_init__(self) -> None:
-        from dynamiq.codecs import get_codec
-        from dynamiq.collectives import get_schedule
-
         if not 2 <= self.ranks <= 64:
             raise ValueError(f"ranks must be in 2..64 (got {self.ranks})")
         if not self.rates:
@@ -95,6 +92,22 @@ class ClusterBenchConfig:
             parse_rate(r)
         if self.numel < 1:
             raise ValueError(f"numel must be positive (got {self.numel})")
+        self._check_methods()
+        if self.warmup < 0 or self.repeats < 1:
+            raise ValueError(
+                f"warmup must be >= 0 and repeats >= 1 (got {self.warmup}, {self.repeats})"
+            )
+        if self.data not in ("real", "slice", "randn"):
+            raise ValueError(f"data must be 'real', 'slice' or 'randn' (got {self.data!r})")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1 (got {self.threads})")
+        EmulatedCluster(self.ranks, self.rates[0], self.delay_ms, sysctls=dict(self.sysctls))
+
+    def _check_methods(self) -> None:
+        """The codecs, schedules and baselines: known, and something to measure."""
+        from dynamiq.codecs import get_codec
+        from dynamiq.collectives import get_schedule
+
         for c in self.codecs:
             get_codec(c)  # raises UnknownCodecError naming the known ids
         for s in self.schedules:
@@ -112,15 +125,6 @@ class ClusterBenchConfig:
             raise ValueError("nothing to measure: no codecs and no baselines")
         if self.codecs and not self.schedules:
             raise ValueError("codecs need at least one schedule")
-        if self.warmup < 0 or self.repeats < 1:
-            raise ValueError(
-                f"warmup must be >= 0 and repeats >= 1 (got {self.warmup}, {self.repeats})"
-            )
-        if self.data not in ("real", "slice", "randn"):
-            raise ValueError(f"data must be 'real', 'slice' or 'randn' (got {self.data!r})")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1 (got {self.threads})")
-        EmulatedCluster(self.ranks, self.rates[0], self.delay_ms, sysctls=dict(self.sysctls))
 
 
 def _check_reduce_scatter(ranks: int, numel: int, schedules: Sequence[str]) -> None:

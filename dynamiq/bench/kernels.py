@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,6 +76,101 @@ def _steady(fn: Callable[[], Any], device: torch.device, burst: int) -> tuple[fl
     return t, (_minor_faults() - f0) / burst
 
 
+@dataclass
+class _Setup:
+    """The buffers and settings every codec of a ``bench_kernels`` run is timed with."""
+
+    dev: torch.device
+    numel: int
+    iters: int
+    burst: int
+    compile: bool
+    backend: str
+    a: torch.Tensor  # the encoded values
+    b: torch.Tensor  # the local slice added by reduce
+    c: torch.Tensor  # torch.add's preallocated output
+    copy_src: torch.Tensor
+    copy_dst: torch.Tensor
+    copy_times: list[float] = field(default_factory=list)  # every round: the best is the bw
+
+
+def _setup(numel: int, device: str, iters: int, burst: int, compile: bool, backend: str) -> _Setup:
+    dev = torch.device(device)
+    copy_src = torch.ones(numel, device=dev)
+    copy_dst = torch.empty_like(copy_src)
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(numel, generator=g).to(dev)
+    b = torch.randn(numel, generator=g).to(dev)
+    c = torch.empty_like(a)
+    return _Setup(dev, numel, iters, burst, compile, backend, a, b, c, copy_src, copy_dst)
+
+
+def _measure(s: _Setup, name: str, codec: Any) -> dict[str, Any]:
+    """One codec's row (all but the bandwidth columns); adds its copy times to ``s``."""
+    from dynamiq import kernels
+
+    a, b, c, numel, backend = s.a, s.b, s.c, s.numel, s.backend
+    payload = codec.encode(a, CTX)
+
+    def fused() -> torch.Tensor:
+        return kernels.reduce(codec, payload, b, CTX, OUT_CTX, backend=backend)
+
+    def unfused() -> torch.Tensor:
+        y = kernels.decode(codec, payload, numel, CTX, backend=backend) + b
+        return kernels.encode(codec, y, OUT_CTX, backend=backend)
+
+    def plain() -> torch.Tensor:
+        return codec._encode(codec._decode(payload, numel, CTX) + b, OUT_CTX)
+
+    t0 = time.perf_counter()
+    got = fused()
+    first = time.perf_counter() - t0
+    ran = "compiled" if s.compile and s.dev.type == "cpu" else kernels.last_backend()
+    unfused()
+    exact = bool(torch.equal(got, plain()))
+    times: dict[str, list[float]] = {k: [] for k in ("fused", "unfused", "plain", "add")}
+    times["add_out"] = []
+    faults: dict[str, list[float]] = {k: [] for k in ("fused", "unfused", "add", "add_out")}
+    for _ in range(s.iters):
+        for key, fn in (
+            ("fused", fused),
+            ("unfused", unfused),
+            ("add", lambda: torch.add(a, b)),
+            ("add_out", lambda: torch.add(a, b, out=c)),
+        ):
+            t, f = _steady(fn, s.dev, s.burst)
+            times[key].append(t)
+            faults[key].append(f)
+        s.copy_times.append(_steady(lambda: s.copy_dst.copy_(s.copy_src), s.dev, s.burst)[0])
+        times["plain"].append(_time(plain, s.dev))
+    t_f = statistics.median(times["fused"])
+    t_u = statistics.median(times["unfused"])
+    t_p = statistics.median(times["plain"])
+    t_a = statistics.median(times["add"])
+    t_ao = statistics.median(times["add_out"])
+    return {
+        "codec": name,
+        "backend": ran or "",
+        "bit-exact": exact,
+        "first call s": first,
+        "fused s": t_f,
+        "unfused s": t_u,
+        "plain reference s": t_p,
+        "torch.add s": t_a,
+        "torch.add into out s": t_ao,
+        "speed-up over unfused": t_u / t_f,
+        # the conservative ratio: the fastest round of the unfused path (the one that found
+        # the most of its buffers already mapped) over the fused median
+        "speed-up over fastest unfused": min(times["unfused"]) / t_f,
+        "fused page faults/call": statistics.median(faults["fused"]),
+        "unfused page faults/call": statistics.median(faults["unfused"]),
+        "speed-up over plain": t_p / t_f,
+        "fused / torch.add": t_f / t_a,
+        "fused / torch.add into out": t_f / t_ao,
+        "bytes moved": payload.numel() * 2 + numel * b.element_size(),
+    }
+
+
 def bench_kernels(
     codecs: Sequence[str],
     numel: int = 1 << 24,
@@ -98,92 +194,24 @@ def bench_kernels(
     if iters < 1 or burst < 1:
         raise ValueError(f"iters and burst must be at least 1 (got {iters} and {burst})")
     resolved = [get_codec(name) for name in codecs]  # UnknownCodecError names the known ids
-    dev = torch.device(device)
-    copy_src = torch.ones(numel, device=dev)
-    copy_dst = torch.empty_like(copy_src)
-    copy_times: list[float] = []  # every round of every codec: the best is the bandwidth
-    g = torch.Generator().manual_seed(0)
-    a = torch.randn(numel, generator=g).to(dev)
-    b = torch.randn(numel, generator=g).to(dev)
-    c = torch.empty_like(a)
+    s = _setup(numel, device, iters, burst, compile, backend)
     rows: list[dict[str, Any]] = []
-    if dev.type == "cpu":
+    if s.dev.type == "cpu":
         kernels._compiled.set_cpu_compile(compile)
     try:
         for i, (name, codec) in enumerate(zip(codecs, resolved, strict=True)):
             if progress:
                 print(f"\r[{i + 1}/{len(codecs)}] {name:<14}", end="", file=sys.stderr, flush=True)
-            payload = codec.encode(a, CTX)
-
-            def fused(codec: Any = codec, payload: torch.Tensor = payload) -> torch.Tensor:
-                return kernels.reduce(codec, payload, b, CTX, OUT_CTX, backend=backend)
-
-            def unfused(codec: Any = codec, payload: torch.Tensor = payload) -> torch.Tensor:
-                y = kernels.decode(codec, payload, numel, CTX, backend=backend) + b
-                return kernels.encode(codec, y, OUT_CTX, backend=backend)
-
-            def plain(codec: Any = codec, payload: torch.Tensor = payload) -> torch.Tensor:
-                return codec._encode(codec._decode(payload, numel, CTX) + b, OUT_CTX)
-
-            t0 = time.perf_counter()
-            got = fused()
-            first = time.perf_counter() - t0
-            ran = "compiled" if compile and dev.type == "cpu" else kernels.last_backend()
-            unfused()
-            exact = bool(torch.equal(got, plain()))
-            times: dict[str, list[float]] = {k: [] for k in ("fused", "unfused", "plain", "add")}
-            times["add_out"] = []
-            faults: dict[str, list[float]] = {k: [] for k in ("fused", "unfused", "add", "add_out")}
-            for _ in range(iters):
-                for key, fn in (
-                    ("fused", fused),
-                    ("unfused", unfused),
-                    ("add", lambda: torch.add(a, b)),
-                    ("add_out", lambda: torch.add(a, b, out=c)),
-                ):
-                    t, f = _steady(fn, dev, burst)
-                    times[key].append(t)
-                    faults[key].append(f)
-                copy_times.append(_steady(lambda: copy_dst.copy_(copy_src), dev, burst)[0])
-                times["plain"].append(_time(plain, dev))
-            t_f = statistics.median(times["fused"])
-            t_u = statistics.median(times["unfused"])
-            t_p = statistics.median(times["plain"])
-            t_a = statistics.median(times["add"])
-            t_ao = statistics.median(times["add_out"])
-            moved = payload.numel() * 2 + numel * b.element_size()
-            rows.append(
-                {
-                    "codec": name,
-                    "backend": ran or "",
-                    "bit-exact": exact,
-                    "first call s": first,
-                    "fused s": t_f,
-                    "unfused s": t_u,
-                    "plain reference s": t_p,
-                    "torch.add s": t_a,
-                    "torch.add into out s": t_ao,
-                    "speed-up over unfused": t_u / t_f,
-                    # the conservative ratio: the fastest round of the unfused path (the one
-                    # that found the most of its buffers already mapped) over the fused median
-                    "speed-up over fastest unfused": min(times["unfused"]) / t_f,
-                    "fused page faults/call": statistics.median(faults["fused"]),
-                    "unfused page faults/call": statistics.median(faults["unfused"]),
-                    "speed-up over plain": t_p / t_f,
-                    "fused / torch.add": t_f / t_a,
-                    "fused / torch.add into out": t_f / t_ao,
-                    "bytes moved": moved,
-                }
-            )
+            rows.append(_measure(s, name, codec))
         # the copy bandwidth: the best copy of the whole run (one slow measurement at the
         # start, under a burst of other load, once made every fraction of roofline 5x too high)
-        bw = 2 * 4 * numel / min(copy_times, default=math.inf)
+        bw = 2 * 4 * numel / min(s.copy_times, default=math.inf)
         for row in rows:
             row["copy bandwidth GB/s"] = bw / 1e9
             row["roofline s"] = row["bytes moved"] / bw
             row["fraction of roofline"] = row["roofline s"] / row["fused s"]
     finally:
-        if dev.type == "cpu":
+        if s.dev.type == "cpu":
             kernels._compiled.set_cpu_compile(None)
         if progress:
             print(file=sys.stderr)

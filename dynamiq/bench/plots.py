@@ -75,6 +75,55 @@ def codec_label(codec: Any) -> str:
     return cid + "".join(f" {k}={v}" for k, v in sorted(cfg.items()))
 
 
+def _draw_panel(
+    ax: Any,
+    rows: Sequence[dict[str, Any]],
+    schedule: str,
+    workers: int,
+    color: dict[str, Any],
+    floor: float,
+) -> None:
+    """One (schedule, workers) panel: a line per codec family; lossless points at ``floor``."""
+    lines: dict[str, list[tuple[float, float, str]]] = {}
+    for r in rows:
+        if r["schedule"] != schedule or int(r["workers"]) != workers:
+            continue
+        lines.setdefault(codec_family(r["codec"]), []).append(
+            (float(r["bits/value"]), float(r["vnmse median"]), codec_label(r["codec"]))
+        )
+    for family, pts in lines.items():
+        pts.sort()
+        xs = [p[0] for p in pts]
+        ys = [max(p[1], floor) for p in pts]
+        if family.startswith("DynamiQ"):
+            ax.plot(xs, ys, "-o", label=family, linewidth=2.2, markersize=4, c=color[family])
+        elif len(pts) > 1:
+            ax.plot(xs, ys, "--s", label=family, linewidth=1.0, markersize=4, c=color[family])
+        else:
+            ax.plot(xs, ys, "D", label=family, markersize=5, c=color[family])
+        for x, y, p in zip(xs, ys, pts, strict=True):
+            if p[1] < floor:
+                ax.annotate(f"{p[2]}: {p[1]:.0e}", (x, y), fontsize=6, rotation=90)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_title(f"{schedule}, {workers} workers", fontsize=10)
+    ax.set_xlabel("bits/value (everything sent)")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _legend(fig: Any, axes: Any) -> dict[str, Any]:
+    """One legend for the figure, every panel's labels once; returns label -> handle."""
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    seen = dict(zip(labels, handles, strict=True))
+    for ax in axes.flat[1:]:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(lab, h)
+    fig.legend(
+        list(seen.values()), list(seen), loc="lower center", ncol=min(len(seen), 4), fontsize=8
+    )
+    return seen
+
+
 def plot_compare(
     rows: Sequence[dict[str, Any]],
     path: str | Path,
@@ -106,43 +155,12 @@ def plot_compare(
     color = {f: cmap(i % 20) for i, f in enumerate(families)}
     color.update({f: "black" for f in families if f == "DynamiQ"})
     for ax, (schedule, workers) in zip(axes.flat, panels, strict=False):
-        lines: dict[str, list[tuple[float, float, str]]] = {}
-        for r in rows:
-            if r["schedule"] != schedule or int(r["workers"]) != workers:
-                continue
-            lines.setdefault(codec_family(r["codec"]), []).append(
-                (float(r["bits/value"]), float(r["vnmse median"]), codec_label(r["codec"]))
-            )
-        for family, pts in lines.items():
-            pts.sort()
-            xs = [p[0] for p in pts]
-            ys = [max(p[1], floor) for p in pts]
-            if family.startswith("DynamiQ"):
-                ax.plot(xs, ys, "-o", label=family, linewidth=2.2, markersize=4, c=color[family])
-            elif len(pts) > 1:
-                ax.plot(xs, ys, "--s", label=family, linewidth=1.0, markersize=4, c=color[family])
-            else:
-                ax.plot(xs, ys, "D", label=family, markersize=5, c=color[family])
-            for x, y, p in zip(xs, ys, pts, strict=True):
-                if p[1] < floor:
-                    ax.annotate(f"{p[2]}: {p[1]:.0e}", (x, y), fontsize=6, rotation=90)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{schedule}, {workers} workers", fontsize=10)
-        ax.set_xlabel("bits/value (everything sent)")
-        ax.grid(True, which="both", alpha=0.3)
+        _draw_panel(ax, rows, schedule, workers, color, floor)
     for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     for ax in axes[:, 0]:
         ax.set_ylabel("vNMSE (median of seeds)")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    seen = dict(zip(labels, handles, strict=True))
-    for ax in axes.flat[1:]:
-        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
-            seen.setdefault(lab, h)
-    fig.legend(
-        list(seen.values()), list(seen), loc="lower center", ncol=min(len(seen), 4), fontsize=8
-    )
+    seen = _legend(fig, axes)
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.03 + 0.03 * math.ceil(len(seen) / 4), 1, 1))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +165,57 @@ class RunResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _record_grad_order(params: list[torch.nn.Parameter], ready: list[int]) -> list[Any]:
+    """Hooks appending each parameter's index to ``ready`` when its gradient is complete (the
+    order DDP rebuilds its buckets in)."""
+    return [
+        p.register_post_accumulate_grad_hook(lambda _p, i=i, ready=ready: ready.append(i))
+        for i, p in enumerate(params)
+    ]
+
+
+def _workers_backward(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    buckets: list[list[int]],
+    batches: Iterable[Any],
+    handles: list[Any],
+    losses: list[float],
+) -> list[list[torch.Tensor]]:
+    """Every worker's backward on its batch, in order: per worker, its flattened gradient of
+    each bucket. Worker 0's loss goes to ``losses``; the hooks are removed after worker 0."""
+    flat: list[list[torch.Tensor]] = []
+    for w, batch in enumerate(batches):
+        for p in params:
+            p.grad = None
+        loss = lm_loss(model, batch)
+        loss.backward()
+        if w == 0:
+            losses.append(float(loss.detach()))
+            for h in handles:
+                h.remove()
+        flat.append(
+            [torch.cat([params[i].grad.reshape(-1) for i in b]) for b in buckets]  # type: ignore[union-attr]
+        )
+    return flat
+
+
+def _apply_reduced(
+    reducer: _Reducer,
+    params: list[torch.nn.Parameter],
+    buckets: list[list[int]],
+    flat: list[list[torch.Tensor]],
+) -> None:
+    """Reduce each bucket over the workers and set the parameters' gradients to the result."""
+    for bi, b in enumerate(buckets):
+        avg = reducer.reduce(bi, [f[bi] for f in flat], bi == len(buckets) - 1)
+        off = 0
+        for i in b:
+            n = params[i].numel()
+            params[i].grad = avg[off : off + n].view_as(params[i])
+            off += n
+
+
 def train_inprocess(
     method: str,
     cfg: TTAConfig,
@@ -202,36 +253,10 @@ def train_inprocess(
             for step in range(steps):
                 set_lr(opt, cfg, step)
                 ready: list[int] = []
-                handles = []
-                if step == 0:
-                    for i, p in enumerate(params):
-                        handles.append(
-                            p.register_post_accumulate_grad_hook(
-                                lambda _p, i=i, ready=ready: ready.append(i)
-                            )
-                        )
-                flat: list[list[torch.Tensor]] = []
-                for w in range(cfg.workers):
-                    for p in params:
-                        p.grad = None
-                    loss = lm_loss(model, train_batch(train, cfg, seed, step, w))
-                    loss.backward()
-                    if w == 0:
-                        losses.append(float(loss.detach()))
-                        for h in handles:
-                            h.remove()
-                    flat.append(
-                        [torch.cat([params[i].grad.reshape(-1) for i in b]) for b in buckets]  # type: ignore[union-attr]
-                    )
-                for bi, b in enumerate(buckets):
-                    avg = reducer.reduce(
-                        bi, [flat[w][bi] for w in range(cfg.workers)], bi == len(buckets) - 1
-                    )
-                    off = 0
-                    for i in b:
-                        n = params[i].numel()
-                        params[i].grad = avg[off : off + n].view_as(params[i])
-                        off += n
+                handles = _record_grad_order(params, ready) if step == 0 else []
+                batches = (train_batch(train, cfg, seed, step, w) for w in range(cfg.workers))
+                flat = _workers_backward(model, params, buckets, batches, handles, losses)
+                _apply_reduced(reducer, params, buckets, flat)
                 if step < capture_grads:
                     grads_out.append(flat_grad(params))
                 opt.step()

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -109,112 +109,164 @@ def train_ddp(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any
     forward/backward/optimiser steps without communication, timed, at the end),
     ``capture_grads``. Returns one dict per run (rank 0's holds the curve).
     """
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     cfg = TTAConfig.from_dict(spec["cfg"])
-    iface = spec.get("iface")
     train, val_text = text_splits(cfg)
     val = val_batch(val_text, cfg)
     out = []
     for k, run in enumerate(spec["runs"]):
-        method, seed, steps = run["method"], int(run["seed"]), int(run["steps"])
-        eval_every = int(run.get("eval_every", 0))
-        target = run.get("target")
-        warm = int(run.get("timing_warmup", 0))
         status = functools.partial(
-            _status, spec.get("status"), run=k, runs=len(spec["runs"]), method=method
+            _status, spec.get("status"), run=k, runs=len(spec["runs"]), method=run["method"]
         )
-        model = build_model(cfg.model_config(), seed)
-        ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
-        state = _register_hook(ddp, method, cfg, seed)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = make_optimizer(params, cfg)
-        curve = [(0, evaluate(model, val))] if (eval_every and rank == 0) else []
-        times: list[float] = []
-        losses: list[float] = []
-        grads: list[torch.Tensor] = []
-        reached = None
-        dist.barrier()
-        net0 = None
-        for step in range(steps):
-            if step == warm:
-                net0 = _iface_bytes(iface)
-            t0 = time.perf_counter()
-            set_lr(opt, cfg, step)
-            batch = train_batch(train, cfg, seed, step, rank)
-            loss = lm_loss(ddp, batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if step < int(run.get("capture_grads", 0)):
-                grads.append(flat_grad(params))
-            opt.step()
-            times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
-            if eval_every and (step + 1) % eval_every == 0:
-                stop = torch.zeros(1)
-                if rank == 0:
-                    v = evaluate(model, val)
-                    curve.append((step + 1, v))
-                    if target is not None and v <= target:
-                        stop[0] = 1
-                    status(step=step + 1, steps=steps, val=v)
-                dist.broadcast(stop, 0)
-                if stop[0]:
-                    reached = step + 1
-                    break
-            elif rank == 0 and (step + 1) % 5 == 0:
-                status(step=step + 1, steps=steps)
-        net1 = _iface_bytes(iface)
-        done = len(times)
-        compute: list[float] = []
-        if run.get("compute_steps"):
-            dist.barrier()
-            for j in range(int(run["compute_steps"])):
-                t0 = time.perf_counter()
-                with ddp.no_sync():
-                    batch = train_batch(train, cfg, seed, steps + j, rank)
-                    opt.zero_grad(set_to_none=True)
-                    lm_loss(ddp, batch).backward()
-                opt.step()
-                compute.append(time.perf_counter() - t0)
-        phases: dict[str, float] = {}
-        payload = None
-        if method not in TORCH_METHODS and state is not None:
-            timed = [r for r in state.stats if r["step"] >= warm]
-            for r in timed:
-                for key, v in r["seconds"].items():
-                    phases[key] = phases.get(key, 0.0) + v / len(timed)
-            if timed:
-                payload = sum(r["bytes_sent"] for r in timed) / len(timed)
-            state.close()
-        wire = None
-        if net0 is not None and net1 is not None and done > warm:
-            wire = {
-                "tx": (net1[0] - net0[0]) / (done - warm),
-                "rx": (net1[1] - net0[1]) / (done - warm),
-            }
-        out.append(
-            {
-                "method": method,
-                "seed": seed,
-                "rank": rank,
-                "curve": curve,
-                "losses": losses,
-                "step_times": times,
-                "timed_mean": statistics.fmean(times[warm:]) if done > warm else None,
-                "compute_mean": statistics.fmean(compute) if compute else None,
-                "phases": phases,
-                "payload_bytes_per_step": payload,
-                "wire_bytes_per_step": wire,
-                "reached": reached,
-                "grads": grads,
-                "checksum": param_checksum(params),
-            }
-        )
-        dist.barrier()
-        del ddp
+        out.append(_train_run(rank, cfg, run, (train, val), status, spec.get("iface")))
     return out
+
+
+def _train_run(
+    rank: int,
+    cfg: TTAConfig,
+    run: dict[str, Any],
+    data: tuple[Any, Any],
+    status: Callable[..., None],
+    iface: str | None,
+) -> dict[str, Any]:
+    """One run of :func:`train_ddp` on this rank (``data``: the training text and the
+    validation batch)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    train, val = data
+    method, seed, steps = run["method"], int(run["seed"]), int(run["steps"])
+    eval_every = int(run.get("eval_every", 0))
+    warm = int(run.get("timing_warmup", 0))
+    model = build_model(cfg.model_config(), seed)
+    ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    state = _register_hook(ddp, method, cfg, seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, cfg)
+    curve = [(0, evaluate(model, val))] if (eval_every and rank == 0) else []
+    times: list[float] = []
+    losses: list[float] = []
+    grads: list[torch.Tensor] = []
+    reached = None
+    dist.barrier()
+    net0 = None
+    for step in range(steps):
+        if step == warm:
+            net0 = _iface_bytes(iface)
+        t0 = time.perf_counter()
+        set_lr(opt, cfg, step)
+        batch = train_batch(train, cfg, seed, step, rank)
+        loss = lm_loss(ddp, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if step < int(run.get("capture_grads", 0)):
+            grads.append(flat_grad(params))
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        if eval_every and (step + 1) % eval_every == 0:
+            if _evaluate_and_stop(rank, model, val, curve, run.get("target"), status, step, steps):
+                reached = step + 1
+                break
+        elif rank == 0 and (step + 1) % 5 == 0:
+            status(step=step + 1, steps=steps)
+    net1 = _iface_bytes(iface)
+    done = len(times)
+    n_compute = int(run.get("compute_steps") or 0)
+    compute = _compute_only(ddp, opt, train, cfg, seed, steps, rank, n_compute)
+    phases, payload = _hook_summary(method, state, warm)
+    wire = None
+    if net0 is not None and net1 is not None and done > warm:
+        wire = {
+            "tx": (net1[0] - net0[0]) / (done - warm),
+            "rx": (net1[1] - net0[1]) / (done - warm),
+        }
+    result = {
+        "method": method,
+        "seed": seed,
+        "rank": rank,
+        "curve": curve,
+        "losses": losses,
+        "step_times": times,
+        "timed_mean": statistics.fmean(times[warm:]) if done > warm else None,
+        "compute_mean": statistics.fmean(compute) if compute else None,
+        "phases": phases,
+        "payload_bytes_per_step": payload,
+        "wire_bytes_per_step": wire,
+        "reached": reached,
+        "grads": grads,
+        "checksum": param_checksum(params),
+    }
+    dist.barrier()
+    return result
+
+
+def _evaluate_and_stop(
+    rank: int,
+    model: torch.nn.Module,
+    val: Any,
+    curve: list[tuple[int, float]],
+    target: float | None,
+    status: Callable[..., None],
+    step: int,
+    steps: int,
+) -> bool:
+    """Rank 0 evaluates after ``step`` (appending to ``curve``) and tells every rank whether
+    the target is reached."""
+    import torch.distributed as dist
+
+    stop = torch.zeros(1)
+    if rank == 0:
+        v = evaluate(model, val)
+        curve.append((step + 1, v))
+        if target is not None and v <= target:
+            stop[0] = 1
+        status(step=step + 1, steps=steps, val=v)
+    dist.broadcast(stop, 0)
+    return bool(stop[0])
+
+
+def _compute_only(
+    ddp: Any,
+    opt: torch.optim.Optimizer,
+    train: Any,
+    cfg: TTAConfig,
+    seed: int,
+    steps: int,
+    rank: int,
+    count: int,
+) -> list[float]:
+    """Seconds of ``count`` forward/backward/optimiser steps without communication."""
+    import torch.distributed as dist
+
+    compute: list[float] = []
+    if count:
+        dist.barrier()
+        for j in range(count):
+            t0 = time.perf_counter()
+            with ddp.no_sync():
+                batch = train_batch(train, cfg, seed, steps + j, rank)
+                opt.zero_grad(set_to_none=True)
+                lm_loss(ddp, batch).backward()
+            opt.step()
+            compute.append(time.perf_counter() - t0)
+    return compute
+
+
+def _hook_summary(method: str, state: Any, warm: int) -> tuple[dict[str, float], float | None]:
+    """Mean seconds per phase and payload bytes per step of the dynamiq hook's timed steps
+    (closing its state); nothing for PyTorch's methods."""
+    phases: dict[str, float] = {}
+    payload = None
+    if method not in TORCH_METHODS and state is not None:
+        timed = [r for r in state.stats if r["step"] >= warm]
+        for r in timed:
+            for key, v in r["seconds"].items():
+                phases[key] = phases.get(key, 0.0) + v / len(timed)
+        if timed:
+            payload = sum(r["bytes_sent"] for r in timed) / len(timed)
+        state.close()
+    return phases, payload
 
 
 def _loopback_job(rank: int, world: int, spec: dict[str, Any]) -> list[dict[str, Any]]:

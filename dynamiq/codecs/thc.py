@@ -289,6 +289,33 @@ def _fl32(v: torch.Tensor) -> torch.Tensor:
     return v.float().double()
 
 
+def _checked_table(table: Any) -> tuple[int, ...]:
+    """``table`` as a tuple, checked: ints from 0 to an even ``g <= 4096``, strictly
+    increasing, holding ``g / 2``."""
+    if not isinstance(table, (tuple, list)):
+        raise TypeError(f"table must be a sequence of ints (got {type(table).__name__})")
+    for v in table:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"table must hold ints (got {v!r})")
+    table = tuple(table)
+    if not 3 <= len(table) <= 256:
+        raise ValueError(f"table must have 3..256 entries (got {len(table)})")
+    if any(b <= a for a, b in itertools.pairwise(table)):
+        raise ValueError(f"table must be strictly increasing (got {table})")
+    g = table[-1]
+    if table[0] != 0 or g % 2 or g > 4096:
+        raise ValueError(f"table must run from 0 to an even g <= 4096 (got {table[0]} .. {g})")
+    if g // 2 not in table:
+        raise ValueError(f"table must contain g/2 = {g // 2}, so that zero is exact")
+    return table
+
+
+def _checked_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or None (got {type(value).__name__})")
+    return float(value)
+
+
 @register_codec
 @dataclass(frozen=True, kw_only=True)
 class ThcCodec(Codec):
@@ -337,49 +364,30 @@ class ThcCodec(Codec):
 
     def __post_init__(self) -> None:
         check_choice("variant", self.variant, VARIANTS)
-        if not isinstance(self.table, (tuple, list)):
-            raise TypeError(f"table must be a sequence of ints (got {type(self.table).__name__})")
-        for v in self.table:
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"table must hold ints (got {v!r})")
-        table = tuple(self.table)
-        object.__setattr__(self, "table", table)
-        if not 3 <= len(table) <= 256:
-            raise ValueError(f"table must have 3..256 entries (got {len(table)})")
-        if any(b <= a for a, b in itertools.pairwise(table)):
-            raise ValueError(f"table must be strictly increasing (got {table})")
-        g = table[-1]
-        if table[0] != 0 or g % 2 or g > 4096:
-            raise ValueError(f"table must run from 0 to an even g <= 4096 (got {table[0]} .. {g})")
-        if g // 2 not in table:
-            raise ValueError(f"table must contain g/2 = {g // 2}, so that zero is exact")
+        object.__setattr__(self, "table", _checked_table(self.table))
         check_int("block_size", self.block_size, 1, 1 << 16)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two (got {self.block_size})")
         check_choice("scale", self.scale, SCALES)
         check_int("scale_blocks", self.scale_blocks, 0, 1 << 30)
         if self.clip is not None:
-            if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)):
-                raise TypeError(f"clip must be a float or None (got {type(self.clip).__name__})")
             hi = 1.0 if self.scale == "max" else 65536.0
-            if not 0.0 < float(self.clip) <= hi:
+            clip = _checked_float("clip", self.clip)
+            if not 0.0 < clip <= hi:
                 raise ValueError(
                     f"clip must be in (0, {hi:g}] with scale={self.scale!r} (got {self.clip})"
                 )
-            object.__setattr__(self, "clip", float(self.clip))
+            object.__setattr__(self, "clip", clip)
         if self.growth is not None:
-            if isinstance(self.growth, bool) or not isinstance(self.growth, (int, float)):
-                raise TypeError(
-                    f"growth must be a float or None (got {type(self.growth).__name__})"
-                )
-            if not 0.0 <= float(self.growth) <= 1.0:
+            growth = _checked_float("growth", self.growth)
+            if not 0.0 <= growth <= 1.0:
                 raise ValueError(f"growth must be in [0, 1] (got {self.growth})")
-            if self.variant == "widen" and float(self.growth) != 1.0:
+            if self.variant == "widen" and growth != 1.0:
                 raise ValueError(
                     "growth applies to variant='requantize' only: widen's integer sums span "
                     f"k·R (got growth={self.growth})"
                 )
-            object.__setattr__(self, "growth", float(self.growth))
+            object.__setattr__(self, "growth", growth)
         check_int("rotation_seed", self.rotation_seed, 0, 2**63 - 1)
 
     # -- geometry ---------------------------------------------------------------------------

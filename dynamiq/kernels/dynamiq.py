@@ -146,7 +146,7 @@ def _cost(lvl_ptr, ng, n, tau, G: tl.constexpr, Q, NT: tl.constexpr, BLK: tl.con
 
 
 @triton.jit
-def _search(
+def _search(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     lvl_ptr,
     ng,
     n,
@@ -180,7 +180,7 @@ def _search(
 
 
 @triton.jit
-def _header_allocation(
+def _header_allocation(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     hdr_ptr,
     lvl_ptr,
     tab_ptr,
@@ -213,7 +213,7 @@ def _header_allocation(
 
 
 @triton.jit
-def _tile_widths(
+def _tile_widths(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     hdr_ptr,
     ebase,
     tab_ptr,
@@ -284,7 +284,7 @@ def _span_body(span_ptr, hbytes, last, budget_full, budget_last, n):
 
 
 @triton.jit
-def _tile_groups(
+def _tile_groups(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     sgb,
     c,
     n,
@@ -325,7 +325,7 @@ def _unpack_tile(body_ptr, nbody, tab_ptr, scale, w, off, jj, ereal):
 
 
 @triton.jit
-def _tile_values(
+def _tile_values(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     x_ptr,
     in_ptr,
     ebase,
@@ -366,7 +366,7 @@ def _tile_values(
 
 
 @triton.jit
-def _quantize(v, scale, w, tab_ptr, idx, key0, key1, ckey0, ckey1, hop, num_hops, MODE):
+def _quantize(v, scale, w, tab_ptr, idx, key0, key1, ckey0, ckey1, hop, num_hops, MODE):  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     """Level index of each value (``_quantize`` of the reference) in its width's table: the
     nearest (ties to the lower level) or, with a dither ``u``, the upper neighbour when
     ``u < frac``; 0 where the width is 0."""
@@ -405,7 +405,7 @@ def _quantize(v, scale, w, tab_ptr, idx, key0, key1, ckey0, ckey1, hop, num_hops
 
 
 @triton.jit(do_not_specialize=["offset", "key0", "key1", "ckey0", "ckey1", "hop", "num_hops"])
-def _dq_encode_kernel(
+def _dq_encode_kernel(  # noqa: PLR0913, PLR0915  Triton: an argument per pointer, size, constexpr
     # pointers
     x_ptr,  # values (encode) or the local slice (reduce): int32 (fp32) / int16 (bf16, fp16)
     in_ptr,  # incoming payload (reduce; unused when not FUSED)
@@ -610,7 +610,7 @@ def _dq_encode_kernel(
 
 
 @triton.jit
-def _dq_decode_kernel(
+def _dq_decode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     # pointers
     in_ptr,  # payload
     out_ptr,  # fp32 values

@@ -208,7 +208,7 @@ def _int_dequantize(stream_ptr, grp, gmask, elem, emask, nbytes, scale, BITS: tl
 
 
 @triton.jit
-def _int_values(
+def _int_values(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     x_ptr,
     in_ptr,
     in_scale,
@@ -256,7 +256,7 @@ def _int_codes(v, s, elem, offset, key0, key1, STOCHASTIC: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["offset", "key0", "key1"])
-def _int_encode_kernel(
+def _int_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     # pointers
     x_ptr,  # values to encode, or the local slice (reduce): int32 (fp32) / int16 (bf16, fp16)
     in_ptr,  # incoming payload (reduce; unused when not FUSED)
@@ -338,7 +338,7 @@ def _int_encode_kernel(
 
 
 @triton.jit(do_not_specialize=["offset", "key0", "key1"])
-def _int_rows_kernel(
+def _int_rows_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     # pointers
     x_ptr,  # values to encode, or the local slice (reduce): int32 (fp32) / int16 (bf16, fp16)
     in_ptr,  # incoming payload (reduce; unused when not FUSED)
@@ -407,7 +407,7 @@ def _int_rows_kernel(
 
 
 @triton.jit
-def _int_decode_kernel(
+def _int_decode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     # pointers
     in_ptr,  # payload
     out_ptr,  # fp32 values
@@ -434,7 +434,7 @@ def _int_decode_kernel(
 
 
 @triton.jit
-def _int_block_scale_kernel(
+def _int_block_scale_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     # pointers
     x_ptr,  # values or local slice
     in_ptr,  # incoming payload (FUSED)
@@ -488,7 +488,7 @@ def _int_block_scale_kernel(
 
 
 @triton.jit(do_not_specialize=["offset", "key0", "key1"])
-def _int_quantize_kernel(
+def _int_quantize_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     # pointers
     x_ptr,  # values or local slice
     in_ptr,  # incoming payload (FUSED)

@@ -59,7 +59,7 @@ def _load_e8m0(ptr, blk, mask):
 
 
 @triton.jit
-def _mx_decode_tile(
+def _mx_decode_tile(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     in_ptr,
     blk,
     bmask,
@@ -82,7 +82,7 @@ def _mx_decode_tile(
 
 
 @triton.jit
-def _mx_encode_kernel(
+def _mx_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     # pointers
     x_ptr,  # values to encode, or the local slice (reduce): int32 (fp32) / int16 (bf16, fp16)
     in_ptr,  # incoming payload (reduce; unused when not FUSED)
@@ -134,7 +134,7 @@ def _mx_encode_kernel(
 
 
 @triton.jit
-def _mx_rows_kernel(
+def _mx_rows_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     # pointers
     x_ptr,  # values to encode, or the local slice (reduce): int32 (fp32) / int16 (bf16, fp16)
     in_ptr,  # incoming payload (reduce; unused when not FUSED)
@@ -191,7 +191,7 @@ def _mx_rows_kernel(
 
 
 @triton.jit
-def _mx_decode_kernel(
+def _mx_decode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     # pointers
     in_ptr,  # payload
     out_ptr,  # fp32 values
