@@ -211,23 +211,21 @@ def _progress(text: str) -> None:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from dynamiq.bench.compare import compare
-    from dynamiq.data import load_gradients
+    from dynamiq.bench.compare import compare_families
 
     workers = [int(w) for w in args.workers.split(",")]
-    grads = load_gradients(args.split, max(workers), progress=not args.quiet)
-    if args.numel:
-        grads = grads[:, : args.numel]
     if args.codecs.lstrip().startswith("["):
         codecs = json.loads(args.codecs)  # a JSON list of ids and configs
     else:
         codecs = args.codecs.split(",") if args.codecs else list_codecs()
-    rows = compare(
-        grads,
+    rows = compare_families(
+        args.family,
         codecs,
         args.schedules.split(","),
         workers,
         range(args.seeds),
+        split=args.split,
+        numel=args.numel,
         progress=not args.quiet,
     )
     _print_rows(rows, args)
@@ -318,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", default="4,8,16,32", help="comma-separated world sizes")
     p.add_argument("--seeds", type=int, default=3, help="number of seeds (median over them)")
     p.add_argument("--split", default="eval", help="gradient split: eval (default) or fit")
+    from dynamiq.data.families import family_arg
+
+    p.add_argument(
+        "--family",
+        default="lm",
+        type=family_arg,
+        help="model family: lm (default), mlm, digits, a comma-separated list, or all",
+    )
     p.add_argument("--numel", type=int, default=0, help="use only the first N values (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")
