@@ -4,11 +4,18 @@ DynamiQ ablation; tables (Markdown) and the PNG plot.
     python benchmarks/compare_all.py                       # everything (hours on 2 cores)
     python benchmarks/compare_all.py --set sweep --set baselines
     python benchmarks/compare_all.py --report              # tables + plot from the cache only
+    python benchmarks/compare_all.py --family all --numel 524288,2097152 --set families \
+        --cache docs/data/compare-families.json --markdown docs/data/compare-families.md \
+        --plot docs/img/compare-families.png     # the main codecs on every model family
 
 Each configuration goes through ``dynamiq.bench.compare.compare`` (``dynamiq compare``'s
 engine: ring and butterfly, 4/8/16/32 workers of the eval split, median of 3 seeds,
-bits/value with everything sent counted). Rows are cached in ``--cache`` after every
-configuration, so an interrupted run resumes where it stopped; ``--fresh`` recomputes.
+bits/value with everything sent counted), for each model family of ``--family``
+(:mod:`dynamiq.data.families`; default ``lm``) and each buffer size of ``--numel`` (the first
+N values of every worker; 0: all; a size larger than a family's model is skipped for that
+family). Rows carry ``family`` and ``values``; rows cached before the families are ``lm``'s
+full buffers. Rows are cached in ``--cache`` after every configuration, so an interrupted
+run resumes where it stopped; ``--fresh`` recomputes.
 
 "DynamiQ tuned to a codec's bits/value" is the sweep point with the lowest vNMSE among those
 whose bits/value is not above that codec's in the same cell (schedule, workers).
@@ -26,6 +33,7 @@ from typing import Any
 from dynamiq.bench.compare import compare
 from dynamiq.bench.plots import codec_label, plot_compare
 from dynamiq.codecs import get_codec, list_codecs
+from dynamiq.data.families import family_arg
 
 SCHEDULES = ("ring", "butterfly")
 WORKERS = (4, 8, 16, 32)
@@ -67,6 +75,8 @@ SETS: dict[str, list[Any]] = {
         {"id": "dynamiq", "span": 1 << 18},
         {"id": "dynamiq", "span": LARGE_SPAN, "super_group": 4096},
     ],
+    # the codecs compared on every model family (issue 13)
+    "families": ["dynamiq", "mxfp8_e4m3", "int8", "mxfp4", "thc", "omnireduce", "bf16"],
     "ablation": [
         {"id": "dynamiq", "pooled": False},
         {"id": "dynamiq", "levels": "uniform"},
@@ -123,12 +133,14 @@ _HEAD = (
 )
 
 
-def _tuned(rows: list[dict[str, Any]], keys: list[str], sets: list[str], what: str) -> list[str]:
+def _tuned(
+    rows: list[dict[str, Any]], keys: list[str], sets: list[str], what: str, h: str = "###"
+) -> list[str]:
     """The table "DynamiQ tuned to each codec's bits/value" over the sweep sets ``sets``."""
     sweep_keys = [key(c) for n in sets for c in SETS[n]]
     sweep = [r for r in rows if r["key"] in sweep_keys]
     out = [
-        f"\n### DynamiQ tuned to each codec's bits/value: {what}\n",
+        f"\n{h} DynamiQ tuned to each codec's bits/value: {what}\n",
         "Ratio = the codec's vNMSE / DynamiQ's, DynamiQ at its most accurate sweep point "
         "whose bits/value is not above the codec's in that cell (> 1: DynamiQ is better).\n",
         "| codec | bits/value (ring 8) | DynamiQ bits/value (ring 8) | "
@@ -175,22 +187,158 @@ def _tuned(rows: list[dict[str, Any]], keys: list[str], sets: list[str], what: s
     return out
 
 
-def tables(rows: list[dict[str, Any]]) -> str:
-    """The Markdown tables: every configuration, DynamiQ against each codec, the ablation."""
+def _group(row: dict[str, Any]) -> tuple[str, int]:
+    """A row's (family, values per worker); rows cached before the families: lm, all (0)."""
+    return str(row.get("family", "lm")), int(row.get("values", 0))
+
+
+def _group_name(group: tuple[str, int]) -> str:
+    family, values = group
+    return f"family `{family}`, " + (
+        f"{values:,} values per worker" if values else "every value of the model"
+    )
+
+
+def _versus(rows: list[dict[str, Any]], groups: list[tuple[str, int]], ref: str) -> list[str]:
+    """DynamiQ (default) against ``ref`` in every family/size/cell: vNMSE ratio ref / DynamiQ."""
+    dq, other = key("dynamiq"), key(ref)
+    cells = [(s, n) for s in SCHEDULES for n in WORKERS]
+    out = [
+        f"\n### DynamiQ (default) against `{ref}`, every family\n",
+        f"Ratio = `{ref}`'s vNMSE / DynamiQ's (> 1: DynamiQ is better; **bold**: it loses).\n",
+        "| family | values | DynamiQ bits/value | "
+        + f"`{ref}` bits/value | "
+        + " | ".join(f"{s} {n}" for s, n in cells)
+        + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(cells),
+    ]
+    for g in groups:
+        mine = [r for r in rows if _group(r) == g]
+        a, b = _cells(mine, dq), _cells(mine, other)
+        if not a or not b:
+            continue
+        ratios = []
+        for c in cells:
+            if c not in a or c not in b or a[c]["vnmse median"] == 0:
+                ratios.append("–")
+                continue
+            ratio = b[c]["vnmse median"] / a[c]["vnmse median"]
+            ratios.append(f"**{ratio:.3g}**" if ratio < 1 else f"{ratio:.3g}")
+        bits = [round(x[("ring", 8)]["bits/value"], 3) for x in (a, b) if ("ring", 8) in x]
+        out.append(
+            f"| {g[0]} | {g[1]:,} | "
+            + " | ".join(f"{v:.3f}" for v in bits)
+            + " | "
+            + " | ".join(ratios)
+            + " |"
+        )
+    return out
+
+
+def _group_tables(rows: list[dict[str, Any]], h: str) -> list[str]:
+    """The tables of one (family, values) group: every configuration, tuned DynamiQ, ablation
+    (headings at Markdown level ``h``)."""
     keys = list(dict.fromkeys(r["key"] for r in rows))
-    out = ["### Every codec (vNMSE, median of 3 seeds)\n", _HEAD]
+    out = [f"{h} Every codec (vNMSE, median of 3 seeds)\n", _HEAD]
     for k in keys:
         name = f"`{codec_label(json.loads(k))}`"
         out.append(_row_md(name, _cells(rows, k)))
-    out += _tuned(rows, keys, ["sweep"], "the default span (2^16 values)")
+    if any(r["key"] in {key(c) for c in SETS["sweep"]} - {key("dynamiq")} for r in rows):
+        out += _tuned(rows, keys, ["sweep"], "the default span (2^16 values)", h)
     if any(r["key"] in {key(c) for c in SETS["sweep_span"]} for r in rows):
-        out += _tuned(rows, keys, ["sweep", "sweep_span"], "spans of 2^16 or 2^20 values")
+        out += _tuned(rows, keys, ["sweep", "sweep_span"], "spans of 2^16 or 2^20 values", h)
     abl = [k for k in ABLATION_NAMES if any(r["key"] == k for r in rows)]
-    if abl:
-        out += ["\n### Ablation: each DynamiQ technique off in turn\n", _HEAD]
+    if len(abl) > 1:
+        out += [f"\n{h} Ablation: each DynamiQ technique off in turn\n", _HEAD]
         for k in abl:
             out.append(_row_md(ABLATION_NAMES[k], _cells(rows, k)))
-    return "\n".join(out) + "\n"
+    return out
+
+
+def tables(rows: list[dict[str, Any]]) -> str:
+    """The Markdown tables: per (family, values) group every configuration, DynamiQ against
+    each codec and the ablation; then DynamiQ against MXFP8-E4M3 over every group."""
+    groups = list(dict.fromkeys(_group(r) for r in rows))
+    out: list[str] = []
+    h = "###" if len(groups) == 1 else "####"
+    for g in groups:
+        if len(groups) > 1:
+            out.append(f"\n### {_group_name(g)}\n")
+        out += _group_tables([r for r in rows if _group(r) == g], h)
+    if len(groups) > 1:
+        out += _versus(rows, groups, "mxfp8_e4m3")
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> list[Path]:
+    """One PNG per (family, values) group (suffixed by both when there are several)."""
+    groups = list(dict.fromkeys(_group(r) for r in rows))
+    out = []
+    for g in groups:
+        mine = [r for r in rows if _group(r) == g]
+        no_abl = [
+            r for r in mine if r["key"] not in ABLATION_NAMES or r["key"] == '{"id": "dynamiq"}'
+        ]
+        target = Path(path)
+        if len(groups) > 1:
+            target = target.with_name(f"{target.stem}-{g[0]}-{g[1]}{target.suffix}")
+        what = "real gradients" if len(groups) == 1 else _group_name(g).replace("`", "")
+        out.append(
+            plot_compare(
+                no_abl,
+                target,
+                panels=[(s, n) for s in SCHEDULES for n in (8, 32)],
+                title=f"vNMSE vs bits/value, {what} (median of 3 seeds)",
+            )
+        )
+    return out
+
+
+def _numels(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers (got {text!r})"
+        ) from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"sizes must be >= 0 (got {text!r})")
+    return values
+
+
+def _run(args: argparse.Namespace, rows: list[dict[str, Any]], cache: Path) -> list[dict[str, Any]]:
+    from dynamiq.data import load_gradients
+
+    todo = [c for s in (args.set or list(SETS)) for c in SETS[s]]
+    for codec in todo:
+        get_codec(codec)  # a bad configuration fails before hours of work
+    for family in args.family:
+        full = load_gradients("eval", max(WORKERS), family=family)
+        for numel in args.numel:
+            if numel > full.shape[1]:
+                print(
+                    f"skipping family {family} at {numel} values: its model has {full.shape[1]}",
+                    file=sys.stderr,
+                )
+                continue
+            grads = full[:, :numel] if numel else full
+            for i, codec in enumerate(todo):
+                k = key(codec)
+                mine = (family, numel)
+                if not args.fresh and any(r["key"] == k and _group(r) == mine for r in rows):
+                    continue
+                t0 = time.perf_counter()
+                print(f"[{i + 1}/{len(todo)}] {family} {numel} {k}", file=sys.stderr, flush=True)
+                new = compare(grads, [codec], SCHEDULES, WORKERS, range(args.seeds))
+                for r in new:
+                    r["key"] = k
+                    r["family"] = family
+                    r["values"] = numel
+                    r["seconds"] = round(time.perf_counter() - t0, 1)
+                rows = [r for r in rows if not (r["key"] == k and _group(r) == mine)] + new
+                cache.parent.mkdir(parents=True, exist_ok=True)
+                cache.write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,45 +350,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", action="store_true", help="only tables and plot from the cache")
     ap.add_argument("--fresh", action="store_true", help="recompute cached configurations")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--numel", type=int, default=0, help="first N values only (0: all)")
+    ap.add_argument(
+        "--family",
+        type=family_arg,
+        default="lm",
+        help="model families: lm (default), mlm, digits, a comma-separated list, or all",
+    )
+    ap.add_argument(
+        "--numel",
+        type=_numels,
+        default="0",
+        help="values per worker, comma-separated: the first N of each (0: all; default 0)",
+    )
     args = ap.parse_args(argv)
     cache = Path(args.cache)
     rows: list[dict[str, Any]] = json.loads(cache.read_text()) if cache.exists() else []
     if not args.report:
-        from dynamiq.data import load_gradients
-
-        grads = load_gradients("eval", max(WORKERS))
-        if args.numel:
-            grads = grads[:, : args.numel]
-        todo = [c for s in (args.set or list(SETS)) for c in SETS[s]]
-        for i, codec in enumerate(todo):
-            k = key(codec)
-            if not args.fresh and any(r["key"] == k for r in rows):
-                continue
-            get_codec(codec)  # a bad configuration fails before hours of work
-            t0 = time.perf_counter()
-            print(f"[{i + 1}/{len(todo)}] {k}", file=sys.stderr, flush=True)
-            new = compare(grads, [codec], SCHEDULES, WORKERS, range(args.seeds))
-            for r in new:
-                r["key"] = k
-                r["seconds"] = round(time.perf_counter() - t0, 1)
-            rows = [r for r in rows if r["key"] != k] + new
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(rows, indent=1) + "\n")
+        rows = _run(args, rows, cache)
     if not rows:
         print("nothing cached yet", file=sys.stderr)
         return 1
     md = tables(rows)
     Path(args.markdown).write_text(md)
     print(md)
-    no_abl = [r for r in rows if r["key"] not in ABLATION_NAMES or r["key"] == '{"id": "dynamiq"}']
-    plot_compare(
-        no_abl,
-        args.plot,
-        panels=[(s, n) for s in SCHEDULES for n in (8, 32)],
-        title="vNMSE vs bits/value on real gradients (median of 3 seeds)",
-    )
-    print(f"wrote {args.markdown} and {args.plot}", file=sys.stderr)
+    written = _plot(rows, args.plot)
+    print(f"wrote {args.markdown} and {', '.join(map(str, written))}", file=sys.stderr)
     return 0
 
 

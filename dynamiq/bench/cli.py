@@ -267,18 +267,16 @@ def _no_check(args: argparse.Namespace) -> None:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from dynamiq.bench.compare import compare
-    from dynamiq.data import load_gradients
+    from dynamiq.bench.compare import compare_families
 
-    grads = load_gradients(args.split, max(args.world_sizes), progress=not args.quiet)
-    if args.numel:
-        grads = grads[:, : args.numel]
-    rows = compare(
-        grads,
+    rows = compare_families(
+        args.family,
         args.codec_specs,
         args.schedule_names,
         args.world_sizes,
         range(args.seeds),
+        split=args.split,
+        numel=args.numel,
         progress=not args.quiet,
     )
     _print_rows(rows, args)
@@ -376,6 +374,14 @@ def _add_compare(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--workers", default="4,8,16,32", help="comma-separated world sizes")
     p.add_argument("--seeds", type=int, default=3, help="number of seeds (median over them)")
     p.add_argument("--split", default="eval", help="gradient split: eval (default) or fit")
+    from dynamiq.data.families import family_arg
+
+    p.add_argument(
+        "--family",
+        default="lm",
+        type=family_arg,
+        help="model family: lm (default), mlm, digits, a comma-separated list, or all",
+    )
     p.add_argument("--numel", type=int, default=0, help="use only the first N values (0: all)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--markdown", action="store_true", help="print a Markdown table")

@@ -1,5 +1,6 @@
 """``dynamiq compare``: vNMSE and bits/value of codecs × schedules × world sizes on real
-gradients, through the same engine that runs over torch.distributed (in-process ranks).
+gradients of one or more model families (:mod:`dynamiq.data.families`), through the same
+engine that runs over torch.distributed (in-process ranks).
 
 vNMSE = ‖x̂ - x‖² / ‖x‖² with x the fp64 sum of the workers' gradients, reported as the median
 (and max) over seeds; a seed permutes which worker's gradient each rank holds (so the ring
@@ -12,7 +13,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from dynamiq.codecs import get_codec
 from dynamiq.collectives import simulate_allreduce
 
-__all__ = ["compare"]
+__all__ = ["compare", "compare_families"]
 
 
 def compare(
@@ -81,4 +82,50 @@ def compare(
                 )
     if progress:
         print(file=sys.stderr)
+    return rows
+
+
+def compare_families(
+    families: Sequence[str],
+    codecs: Sequence[Any],
+    schedules: Sequence[str] = ("ring", "butterfly"),
+    workers: Sequence[int] = (4, 8, 16, 32),
+    seeds: Sequence[int] = (0, 1, 2),
+    *,
+    split: str = "eval",
+    numel: int = 0,
+    progress: bool = True,
+    load: Callable[..., torch.Tensor] | None = None,
+) -> list[dict[str, Any]]:
+    """:func:`compare` on each family's gradients; every row starts with ``family`` and
+    ``values`` (values per worker: the first ``numel``, or all when ``numel`` is 0).
+
+    ``load(split, workers, family=..., progress=...)`` gives a family's ``[W, N]``
+    gradients (default :func:`dynamiq.data.load_gradients`).
+
+    Raises:
+        ValueError: on an unknown family, or ``numel`` larger than a family's ``N``
+            (checked for every family before any comparison runs).
+    """
+    from dynamiq.data import parse_families
+
+    if load is None:
+        from dynamiq.data import load_gradients
+
+        load = load_gradients
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be an integer >= 0 (got {numel!r})")
+    names = parse_families(",".join(families))
+    data = {}
+    for name in names:
+        grads = load(split, max(workers), family=name, progress=progress)
+        if numel > grads.shape[1]:
+            raise ValueError(
+                f"numel={numel} is more than family {name}'s {grads.shape[1]} values per worker"
+            )
+        data[name] = grads[:, :numel] if numel else grads
+    rows = []
+    for name, grads in data.items():
+        for row in compare(grads, codecs, schedules, workers, seeds, progress=progress):
+            rows.append({"family": name, "values": int(grads.shape[1]), **row})
     return rows

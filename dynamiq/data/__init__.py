@@ -102,7 +102,7 @@ def load_gradients(
     Row ``w`` is the flattened gradient (``named_parameters`` order, see the
     ``params`` list of the cache's JSON metadata) of worker ``w``'s mean loss
     on its own shard at the trained weights; ``N`` is the model's parameter
-    count (``lm``: 3,323,648, ``mlm``: 2,534,913, ``digits``: 548,746 for the
+    count (``lm``: 3,323,648, ``mlm``: 2,518,529, ``digits``: 548,746 for the
     default configurations).
 
     Args:
@@ -145,7 +145,7 @@ def load_slice(family: str = "lm") -> torch.Tensor:
     The same ``M`` coordinates of the first 8 eval workers. ``lm`` and ``mlm``
     (``M`` = 32768): four groups of 8192 from the token embedding, an attention
     ``qkv`` weight, an MLP ``fc1`` weight and the LayerNorm/bias parameters;
-    ``digits`` (``M`` = 30,314): the convolutions, ``fc1`` and the classifier
+    ``digits`` (``M`` = 30,282): the convolutions, ``fc1`` and the classifier
     with every bias (:func:`load_slice_info` gives the coordinates).
     """
     grads = _read_slice(family)["gradients"]

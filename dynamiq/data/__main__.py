@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dynamiq.data import SPLITS, gradient_stats, load_slice, slice_file
-from dynamiq.data.families import FAMILIES, Family, family_config, parse_families
+from dynamiq.data.families import FAMILIES, Family, family_arg, family_config
 from dynamiq.data.gradients import (
     SLICE_WORKERS,
     default_cache_dir,
@@ -133,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--family",
         default=FAMILIES[0],
+        type=family_arg,
         help=f"{', '.join(FAMILIES)}, a comma-separated list or 'all' (default: %(default)s)",
     )
     parser.add_argument(
@@ -184,10 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1 (got {args.threads})")
         torch.set_num_threads(args.threads)
-    try:
-        families = parse_families(args.family)
-    except ValueError as exc:
-        parser.error(f"--family: {exc}")
+    families: list[str] = args.family
     cache_dir = default_cache_dir() if args.cache_dir is None else args.cache_dir
     for name in families:
         cfg = family_config(name)

@@ -120,7 +120,7 @@ class DigitsConfig:
     def slice_segments(self, layout: list[dict[str, Any]]) -> list[tuple[str, np.ndarray]]:
         """Three groups of flat coordinates: ``conv`` (the first 8192: conv1 and the start
         of conv2), ``fc1`` (16384 centred in ``fc1.weight``), ``head_bias`` (``fc2.weight``
-        and every bias)."""
+        and every bias not in ``conv``)."""
         by_name = {str(p["name"]): p for p in layout}
 
         def span(name: str) -> np.ndarray:
@@ -129,9 +129,14 @@ class DigitsConfig:
 
         fc1 = span("fc1.weight")
         mid = (fc1.size - 16384) // 2
-        biases = [span(str(p["name"])) for p in layout if str(p["name"]).endswith(".bias")]
+        conv = np.arange(min(8192, int(by_name["fc1.weight"]["offset"])), dtype=np.int64)
+        biases = [
+            span(str(p["name"]))
+            for p in layout
+            if str(p["name"]).endswith(".bias") and int(p["offset"]) >= conv.size
+        ]
         return [
-            ("conv", np.arange(min(8192, int(by_name["fc1.weight"]["offset"])), dtype=np.int64)),
+            ("conv", conv),
             ("fc1", fc1[max(0, mid) : max(0, mid) + 16384]),
             ("head_bias", np.concatenate([span("fc2.weight"), *biases])),
         ]

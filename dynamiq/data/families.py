@@ -15,6 +15,7 @@ worker on a disjoint shard, cache) is the same for all of them:
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["FAMILIES", "Family", "Source", "family_config", "parse_families"]
+__all__ = ["FAMILIES", "Family", "Source", "family_arg", "family_config", "parse_families"]
 
 #: registered family names; the first is the default
 FAMILIES: tuple[str, ...] = ("lm", "mlm", "digits")
@@ -139,3 +140,12 @@ def parse_families(spec: str) -> list[str]:
     if len(set(names)) != len(names):
         raise ValueError(f"families must not repeat (got {spec!r})")
     return names
+
+
+def family_arg(text: str) -> list[str]:
+    """``argparse`` type of a ``--family`` option: :func:`parse_families`, its error as
+    the option's error."""
+    try:
+        return parse_families(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
