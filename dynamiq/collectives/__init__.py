@@ -11,6 +11,7 @@ from .api import (
     simulate_allreduce,
 )
 from .engine import WIRE_VERSION, ConfigMismatchError, plan_schedule, run_schedule
+from .planning import chunk_sizes
 from .schedules import (
     Schedule,
     ScheduleError,
@@ -41,6 +42,7 @@ __all__ = [
     "all_gather",
     "allreduce",
     "butterfly",
+    "chunk_sizes",
     "get_schedule",
     "hierarchical",
     "list_schedules",
