@@ -22,6 +22,7 @@ from .api import (
 )
 from .handshake import ConfigMismatchError
 from .options import CollectiveOptions
+from .planning import chunk_sizes
 from .schedules import Schedule, get_schedule, list_schedules
 from .transport import PeerTimeoutError
 
@@ -36,6 +37,7 @@ __all__ = [
     "SimResult",
     "all_gather",
     "allreduce",
+    "chunk_sizes",
     "get_schedule",
     "list_schedules",
     "reduce_scatter",

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dynamiq.codecs import Codec, HopContext, get_codec
+from dynamiq.codecs.base import check_int
 
-from .schedules import Schedule
+from .schedules import Schedule, schedule_shape
 
 __all__ = [
     "Plan",
@@ -28,6 +29,7 @@ __all__ = [
     "check_bounds",
     "chunk_bounds",
     "chunk_layout",
+    "chunk_sizes",
     "plan_schedule",
 ]
 
@@ -297,6 +299,10 @@ def _pieces(start: int, end: int, sub: int) -> list[tuple[int, int]]:
     return [(s, min(end, s + sub)) for s in range(start, end, sub)] or [(start, start)]
 
 
+def _align(codecs: list[Codec]) -> int:
+    return math.lcm(*(c.block_size for c in codecs))
+
+
 def chunk_layout(
     numel: int,
     schedule: Schedule,
@@ -310,8 +316,7 @@ def chunk_layout(
     any order) replaces the even cut: sub-chunks, and so the codecs' blocks, then start at
     each chunk's own start (a chunk's last block may be partial, its padding sent as bytes).
     """
-    codecs = [codec] + [get_codec(c) for c in schedule.codecs()]
-    align = math.lcm(*(c.block_size for c in codecs))
+    align = _align([codec] + [get_codec(c) for c in schedule.codecs()])
     sub = max(align, sub_chunk // align * align)
     if bounds is None:
         bounds = chunk_bounds(numel, schedule.num_chunks, align)
@@ -336,3 +341,37 @@ def check_bounds(
     if pos != numel:
         raise ValueError(f"chunk_bounds {out} do not partition [0, {numel})")
     return out
+
+
+def chunk_sizes(
+    numel: int,
+    codec: Any,
+    schedule: str | Schedule = "ring",
+    world_size: int | None = None,
+    **schedule_options: Any,
+) -> list[int]:
+    """The number of values in each chunk of ``schedule`` for a buffer of ``numel`` values:
+    the units a hop re-encodes and the next hop waits for (a ring's time follows the largest).
+
+    ``codec``: an id, a config or a Codec; ``schedule``: a built-in's name (with
+    ``world_size`` and its options; its steps are not built) or a :class:`Schedule`. Chunks
+    are cut on multiples of every involved codec's block size, as evenly as whole blocks
+    allow (the engine's cut, :func:`chunk_layout`); the buffer's tail ends the last one.
+
+    >>> chunk_sizes(1000, "int8", "ring", world_size=4)
+    [256, 256, 256, 232]
+    """
+    check_int("numel", numel, 0)
+    c = get_codec(codec)
+    if isinstance(schedule, Schedule):
+        if world_size is not None and world_size != schedule.world_size:
+            raise ValueError(
+                f"schedule {schedule.name!r} is for {schedule.world_size} ranks, not {world_size}"
+            )
+        num_chunks, overrides = schedule.num_chunks, schedule.codecs()
+    else:
+        if world_size is None:
+            raise TypeError("chunk_sizes needs world_size= with a schedule given by name")
+        num_chunks, overrides = schedule_shape(schedule, world_size, **schedule_options)
+    align = _align([c] + [get_codec(o) for o in overrides])
+    return [b - a for a, b in chunk_bounds(numel, num_chunks, align)]

@@ -47,6 +47,7 @@ __all__ = [
     "hierarchical",
     "list_schedules",
     "ring",
+    "schedule_shape",
     "tree",
 ]
 
@@ -394,6 +395,35 @@ _BUILTIN: dict[str, Callable[..., Schedule]] = {
     "tree": tree,
     "hierarchical": hierarchical,
 }
+
+
+def _hierarchical_shape(
+    world_size: int, ranks_per_node: int = 2, intra_codec: Any = None
+) -> tuple[int, list[Any]]:
+    n, g = world_size, ranks_per_node
+    if not isinstance(g, int) or g < 1 or n % g:
+        raise ScheduleError(f"ranks_per_node must divide world_size={n} (got {g!r})")
+    return n // g, ([intra_codec] if intra_codec is not None and g > 1 else [])
+
+
+#: ``(num_chunks, codecs())`` of each built-in, from its arguments alone
+_SHAPES: dict[str, Callable[..., tuple[int, list[Any]]]] = {
+    "ring": lambda n: (n, []),
+    "butterfly": lambda n: (1 << (n.bit_length() - 1), []),
+    "tree": lambda n: (1, []),
+    "hierarchical": _hierarchical_shape,
+}
+
+
+def schedule_shape(name: str | Schedule, world_size: int, **kw: Any) -> tuple[int, list[Any]]:
+    """``(num_chunks, codecs())`` of ``get_schedule(name, world_size, **kw)``, without building
+    the steps of a built-in (a ring of 1024 ranks has two million)."""
+    if isinstance(name, Schedule) or name not in _SHAPES:
+        s = get_schedule(name, world_size, **kw)
+        return s.num_chunks, s.codecs()
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ScheduleError(f"world_size must be >= 1 (got {world_size!r})")
+    return _SHAPES[name](world_size, **kw)
 
 
 def list_schedules() -> list[str]:

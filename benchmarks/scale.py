@@ -1,0 +1,157 @@
+"""Issue 13's scale table: vNMSE and bits/value at 128, 256 and 1024 ranks, on real gradients,
+with the batched simulator (``dynamiq.collectives.simulator``).
+
+    python benchmarks/scale.py                           # every cell (hours on 2 busy cores)
+    python benchmarks/scale.py --ranks 128 --codec int8  # some cells
+    python benchmarks/scale.py --report                  # the Markdown table from the JSON
+
+Gradients: the byte-level transformer of ``dynamiq.data`` (CPython's docs and sources),
+trained as ``dynamiq.data`` trains it but with the text cut for ``--workers`` (1024) disjoint
+worker shards of the eval split (``DataConfig(max_workers=...)``: the trained weights are cached
+beside the standard ones); each worker's gradient is computed as ``dynamiq.data`` computes it
+and ``--values`` (2^16) coordinates are kept, drawn uniformly without replacement with a fixed
+seed from all parameters (every layer type in its share). They are cached in the data cache
+(``$DYNAMIQ_CACHE`` or ``~/.cache/dynamiq``). Rank ``r`` of a cell with ``n`` ranks holds
+worker ``r``'s row.
+
+Each cell is one ``simulate_schedule`` run with ``return_bound=False`` (the bounds are not
+needed for vNMSE; they cost about as much as the run), torch on one thread. Recorded: vNMSE
+against the fp64 sum, bits/value as ``SimResult.bits_per_value`` counts them, wall and CPU
+seconds, and the largest / mean bytes a rank sends in a round (over the ranks that send in
+it; the worst round). Cells are appended to ``--out`` (JSON) as they finish; a rerun skips
+the cells already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dynamiq.codecs import get_codec
+from dynamiq.collectives import get_schedule
+from dynamiq.collectives.simulator import simulate_schedule
+from dynamiq.data import DataConfig, default_cache_dir
+
+CODECS = ("dynamiq", "mxfp8_e4m3", "int8", "mxfp4")
+SCHEDULES = ("ring", "butterfly", "hierarchical")
+RANKS = (128, 256, 1024)
+RANKS_PER_NODE = 8
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "data" / "scale.json"
+
+
+def gradients(workers: int, values: int, progress: bool = True) -> torch.Tensor:
+    """``[workers, values]`` real gradients (see the module docstring), cached."""
+    from dynamiq.data.gradients import _trained_model, param_layout, worker_gradient
+
+    cfg = DataConfig(max_workers=workers)
+    root = default_cache_dir()
+    corpus = cfg.build_corpus()
+    path = root / f"scale-gradients-{corpus.sha256[:12]}-{workers}x{values}.npy"
+    if path.exists():
+        return torch.from_numpy(np.load(path))
+    model, _ = _trained_model(cfg, corpus, root, regenerate=False, progress=progress)
+    numel = sum(int(p["numel"]) for p in param_layout(model))
+    idx = np.sort(np.random.default_rng(0).choice(numel, size=values, replace=False))
+    out = np.empty((workers, values), dtype=np.float32)
+    t0 = time.perf_counter()
+    for w in range(workers):
+        flat, _ = worker_gradient(model, corpus.worker_batch_tensor("eval", w))
+        out[w] = flat[idx]
+        if progress and (w % 64 == 0 or w == workers - 1):
+            print(f"worker {w + 1}/{workers} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, out)
+    tmp.replace(path)
+    return torch.from_numpy(out)
+
+
+def round_balance(round_bytes: np.ndarray) -> float:
+    """Worst round's largest / mean bytes over the ranks that send in it."""
+    worst = 1.0
+    for row in round_bytes:
+        live = row[row > 0]
+        if live.size:
+            worst = max(worst, float(live.max() / live.mean()))
+    return worst
+
+
+def cell(grads: torch.Tensor, codec: str, schedule: str, n: int) -> dict[str, Any]:
+    opts = {"ranks_per_node": RANKS_PER_NODE} if schedule == "hierarchical" else {}
+    xs = [grads[r].contiguous() for r in range(n)]
+    t0, c0 = time.perf_counter(), time.process_time()
+    sched = get_schedule(schedule, n, **opts)
+    run = simulate_schedule(xs, get_codec(codec), sched, return_bound=False)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    exact = torch.stack([x.double() for x in xs]).sum(dim=0)
+    err = run.results[0].output.double() - exact
+    numel = grads.shape[1]
+    sent = sum(r.bytes_sent for r in run.results)
+    return {
+        "codec": codec,
+        "schedule": schedule,
+        "ranks": n,
+        "values": numel,
+        "vnmse": float(err.square().sum() / exact.square().sum()),
+        "bits_per_value": 8 * sent / n / (2 * (n - 1) / n * numel),
+        "round_balance": round_balance(run.round_bytes),
+        "seconds": wall,
+        "cpu_seconds": cpu,
+        "phases": run.seconds,
+    }
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| ranks | schedule | codec | vNMSE | bits/value | largest/mean bytes per round | s |",
+        "|---:|---|---|---:|---:|---:|---:|",
+    ]
+    key = {c: i for i, c in enumerate(CODECS)}
+    for r in sorted(rows, key=lambda r: (r["ranks"], r["schedule"], key.get(r["codec"], 9))):
+        lines.append(
+            f"| {r['ranks']} | {r['schedule']} | `{r['codec']}` | {r['vnmse']:.3g} | "
+            f"{r['bits_per_value']:.3f} | {r['round_balance']:.2f} | {r['seconds']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, action="append", help=f"default {RANKS}")
+    ap.add_argument("--codec", action="append", help=f"default {CODECS}")
+    ap.add_argument("--schedule", action="append", help=f"default {SCHEDULES}")
+    ap.add_argument("--workers", type=int, default=max(RANKS))
+    ap.add_argument("--values", type=int, default=1 << 16)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--report", action="store_true", help="print the table from --out")
+    args = ap.parse_args(argv)
+    rows: list[dict[str, Any]] = json.loads(args.out.read_text()) if args.out.exists() else []
+    if args.report:
+        print(report(rows))
+        return 0
+    torch.set_num_threads(1)
+    grads = gradients(args.workers, args.values)
+    done = {(r["codec"], r["schedule"], r["ranks"], r["values"]) for r in rows}
+    for n in args.ranks or RANKS:
+        for schedule in args.schedule or SCHEDULES:
+            for codec in args.codec or CODECS:
+                if (codec, schedule, n, args.values) in done:
+                    continue
+                row = cell(grads, codec, schedule, n)
+                rows.append(row)
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(rows, indent=1))
+                print(json.dumps({k: v for k, v in row.items() if k != "phases"}), flush=True)
+    print(report(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
