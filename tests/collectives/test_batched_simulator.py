@@ -9,7 +9,8 @@ import torch
 from plan_oracle import oracle_plan
 
 from dynamiq.codecs import IntCodec, get_codec, list_codecs
-from dynamiq.collectives import get_schedule, plan_schedule, simulate_allreduce
+from dynamiq.collectives import get_schedule, simulate_allreduce
+from dynamiq.collectives.planning import plan_schedule
 from dynamiq.collectives.simulator import simulate_schedule
 
 SCHEDULES = ["ring", "butterfly", "tree", "hierarchical"]
