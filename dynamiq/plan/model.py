@@ -2,8 +2,9 @@
 
 The bytes are exact: the schedule's plan (:func:`dynamiq.collectives.planning.plan_schedule`)
 and the engine's chunk layout (:func:`dynamiq.collectives.planning.chunk_layout`) say, for
-every rank and round, which sub-chunks it sends (each ``codec.encoded_nbytes`` long: no data needed; codecs
-whose size depends on the data count their ``bits_per_value`` bound and an 8-byte length),
+every rank and round, which sub-chunks it sends (each ``codec.encoded_nbytes`` long: no data
+needed; codecs whose size depends on the data count their ``bits_per_value`` bound and an
+8-byte length),
 which it encodes first, and what it does with each received one (``copy``, ``fused`` reduce,
 or ``keep`` an fp32 sum).
 
