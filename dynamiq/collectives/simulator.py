@@ -359,8 +359,9 @@ class _Sim:
             self.receive(ops.recvs, msgs)
         results = self.finish()
         self.seconds["total"] = time.perf_counter() - t0
-        for res in results:
+        for r, res in enumerate(results):
             res.seconds = dict(self.seconds)
+            res.round_bytes = rounds[:, r].tolist()
         return SimRun(results, rounds, dict(self.seconds))
 
     def receive(self, recvs: list[Any], msgs: dict[tuple[int, int], _Enc]) -> None:
