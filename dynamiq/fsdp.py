@@ -87,8 +87,9 @@ class FSDPState:
     """Configuration, persistent transport, error-feedback memory and statistics of the
     comms :func:`compress` installs (one state for all FSDP modules of a model).
 
-    ``stats`` holds one dict per reduce-scatter call (``module``, ``call``, ``numel``, bytes
-    sent and received, seconds per phase); ``calls`` counts the calls of each module;
+    ``stats`` holds one dict per call (``module``, ``call``, ``numel``, ``op``, bytes sent and
+    received, seconds per phase; ``collective: "replica_allreduce"`` for compressed HSDP's
+    hook); ``calls`` counts the calls of each module (``"<name> (replicas)"``: its hook's);
     ``bounds`` (``return_bound=True``) the certified per-element bound of each module's last
     output shard (fp64, in the output's units, including its rounding to the output dtype).
     """
@@ -205,8 +206,8 @@ class DynamiqReduceScatter(ReduceScatter):
         if ranks is not None and list(ranks) != list(mine):
             raise ValueError(
                 f"dynamiq.fsdp: FSDP module {self.name!r} reduce-scatters over ranks {ranks}, "
-                f"the state's process_group has ranks {mine} (HSDP: pass the shard group as "
-                "process_group; the all-reduce across replicas is not compressed)"
+                f"the state's process_group has ranks {mine} (HSDP: shard over the 1-D shard "
+                "mesh and pass its group as process_group, and replicate_group)"
             )
         s = output.numel()
         if inp.numel() != n * s:
@@ -313,18 +314,21 @@ class ReplicaAllReduce:
         self.state = state
         self.name = name
         self.index = index
-        self.calls = 0
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         st = self.state
         assert st.replicate_transport is not None
         t0 = time.perf_counter()
+        key = f"{self.name} (replicas)"  # its own step counter, in state_dict's "calls"
+        with st._lock:
+            step = st.calls.get(key, 0)
+            st.calls[key] = step + 1
         stats = allreduce(
             reduce_output,
             st.codec if reduce_output.numel() >= st.threshold else "fp32",
             st.schedule,
             seed=st.seed ^ (self.index << 20) ^ (1 << 40),
-            step=self.calls,
+            step=step,
             op="avg",
             threshold=0,
             sub_chunk=st.sub_chunk,
@@ -332,13 +336,12 @@ class ReplicaAllReduce:
             transport=st.replicate_transport,
             schedule_options=st.schedule_options,
         )
-        self.calls += 1
         assert isinstance(stats, AllReduceStats)
         with st._lock:
             st.stats.append(
                 {
                     "module": self.name,
-                    "call": self.calls - 1,
+                    "call": step,
                     "collective": "replica_allreduce",
                     "numel": reduce_output.numel(),
                     "codec": stats.codec,
