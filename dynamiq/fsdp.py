@@ -23,8 +23,9 @@ Memory and limits:
   ring every rank re-encodes partial sums of every chunk, so this residual is the whole
   *unsharded* gradient in fp32 (4 bytes a parameter on every rank: more than the sharded
   parameters, gradients and Adam state together at 8 ranks). ``error_feedback="shard"`` keeps
-  only the rank's own range (4·S bytes): the error of the final encoding of its shard, the
-  one the result carries; the partial sums' errors are dropped.
+  only the rank's own range (4·S bytes) between steps: the error of the final encoding of
+  its shard, the one the result carries; the partial sums' errors are dropped. (During a
+  call either mode has the engine fill a full-size fp32 residual, freed when it returns.)
 * The call blocks the backward thread until the shard is done (FSDP passes no ``async_op``).
   On CUDA it is host-driven too (it does not enqueue on FSDP's reduce-scatter stream).
 * HSDP: FSDP2's native HSDP (a 2-D mesh) all-reduces across replicas with its own
