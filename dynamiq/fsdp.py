@@ -23,12 +23,19 @@ Memory and limits:
   ring every rank re-encodes partial sums of every chunk, so this residual is the whole
   *unsharded* gradient in fp32 (4 bytes a parameter on every rank: more than the sharded
   parameters, gradients and Adam state together at 8 ranks). ``error_feedback="shard"`` keeps
-  only the rank's own range (4·S bytes): the error of the final encoding of its shard, the
-  one the result carries; the partial sums' errors are dropped.
+  only the rank's own range (4·S bytes) between steps: the error of the final encoding of
+  its shard, the one the result carries; the partial sums' errors are dropped. (During a
+  call either mode has the engine fill a full-size fp32 residual, freed when it returns.)
 * The call blocks the backward thread until the shard is done (FSDP passes no ``async_op``).
   On CUDA it is host-driven too (it does not enqueue on FSDP's reduce-scatter stream).
-* HSDP (a replicate mesh dimension): the reduce-scatter over the shard group is compressed
-  only if ``process_group`` is that group; FSDP's all-reduce across replicas is not.
+* HSDP: FSDP2's native HSDP (a 2-D mesh) all-reduces across replicas with its own
+  ``dist.all_reduce``, which no hook replaces in torch 2.13 (``set_all_reduce_hook`` runs
+  *after* it), so it is not compressed. Compressed HSDP: shard with ``fully_shard`` over the
+  1-D shard mesh and pass ``process_group`` (the shard group) and ``replicate_group``; every
+  FSDP module then also gets an all-reduce hook (``set_all_reduce_hook``) that averages its
+  output shard across the replicas with :func:`dynamiq.collectives.allreduce` (no error
+  feedback on that hop). Both groups are used as given: make them for dynamiq alone (e.g.
+  ``dist.new_subgroups_by_enumeration``), apart from the mesh's own.
 * A module FSDP gives several parameter groups (``shard_placement_fn`` with several meshes)
   cannot take a custom comm: :func:`compress` raises naming it.
 """
@@ -45,12 +52,19 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from dynamiq.codecs import get_codec
-from dynamiq.collectives.api import DEFAULT_THRESHOLD, Shard, _bounds_by_chunk, reduce_scatter
+from dynamiq.collectives.api import (
+    DEFAULT_THRESHOLD,
+    AllReduceStats,
+    Shard,
+    _bounds_by_chunk,
+    allreduce,
+    reduce_scatter,
+)
 from dynamiq.collectives.engine import agree
 from dynamiq.collectives.schedules import Schedule, get_schedule
 from dynamiq.collectives.transport import TorchDistTransport
 
-__all__ = ["DynamiqReduceScatter", "FSDPState", "compress"]
+__all__ = ["DynamiqReduceScatter", "FSDPState", "ReplicaAllReduce", "compress"]
 
 _EF_MODES = (False, True, "shard")
 
@@ -74,8 +88,9 @@ class FSDPState:
     """Configuration, persistent transport, error-feedback memory and statistics of the
     comms :func:`compress` installs (one state for all FSDP modules of a model).
 
-    ``stats`` holds one dict per reduce-scatter call (``module``, ``call``, ``numel``, bytes
-    sent and received, seconds per phase); ``calls`` counts the calls of each module;
+    ``stats`` holds one dict per call (``module``, ``call``, ``numel``, ``op``, bytes sent and
+    received, seconds per phase; ``collective: "replica_allreduce"`` for compressed HSDP's
+    hook); ``calls`` counts the calls of each module (``"<name> (replicas)"``: its hook's);
     ``bounds`` (``return_bound=True``) the certified per-element bound of each module's last
     output shard (fp64, in the output's units, including its rounding to the output dtype).
     """
@@ -93,6 +108,7 @@ class FSDPState:
         timeout: float = 300.0,
         return_bound: bool = False,
         schedule_options: dict[str, Any] | None = None,
+        replicate_group: Any = None,
     ):
         if error_feedback not in _EF_MODES:
             raise ValueError(
@@ -105,6 +121,10 @@ class FSDPState:
             process_group = dist.new_group(backend=dist.get_backend())
         self.process_group = process_group
         self.transport = TorchDistTransport(process_group)
+        self.replicate_group = replicate_group
+        self.replicate_transport = (
+            TorchDistTransport(replicate_group) if replicate_group is not None else None
+        )
         # fail here, not in the first backward, on a schedule that cannot own FSDP's ranges
         n = self.transport.world_size
         _bounds_by_chunk(get_schedule(schedule, n, **self.schedule_options), [(0, 0)] * n)
@@ -134,6 +154,7 @@ class FSDPState:
             "threshold": self.threshold,
             "sub_chunk": self.sub_chunk,
             "return_bound": self.return_bound,
+            "replicas": self.replicate_transport.world_size if self.replicate_transport else 1,
             "modules": sorted(self.comms),
         }
 
@@ -186,8 +207,8 @@ class DynamiqReduceScatter(ReduceScatter):
         if ranks is not None and list(ranks) != list(mine):
             raise ValueError(
                 f"dynamiq.fsdp: FSDP module {self.name!r} reduce-scatters over ranks {ranks}, "
-                f"the state's process_group has ranks {mine} (HSDP: pass the shard group as "
-                "process_group; the all-reduce across replicas is not compressed)"
+                f"the state's process_group has ranks {mine} (HSDP: shard over the 1-D shard "
+                "mesh and pass its group as process_group, and replicate_group)"
             )
         s = output.numel()
         if inp.numel() != n * s:
@@ -286,6 +307,57 @@ class DynamiqReduceScatter(ReduceScatter):
         out.view(-1).copy_(cast)
 
 
+class ReplicaAllReduce:
+    """The all-reduce hook of compressed HSDP: averages FSDP module ``name``'s output shard
+    across the replicas (``FSDPState.replicate_group``), in place."""
+
+    def __init__(self, state: FSDPState, name: str, index: int):
+        self.state = state
+        self.name = name
+        self.index = index
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        st = self.state
+        assert st.replicate_transport is not None
+        t0 = time.perf_counter()
+        key = f"{self.name} (replicas)"  # its own step counter, in state_dict's "calls"
+        with st._lock:
+            step = st.calls.get(key, 0)
+            st.calls[key] = step + 1
+        stats = allreduce(
+            reduce_output,
+            st.codec if reduce_output.numel() >= st.threshold else "fp32",
+            st.schedule,
+            seed=st.seed ^ (self.index << 20) ^ (1 << 40),
+            step=step,
+            op="avg",
+            threshold=0,
+            sub_chunk=st.sub_chunk,
+            timeout=st.timeout,
+            transport=st.replicate_transport,
+            schedule_options=st.schedule_options,
+        )
+        assert isinstance(stats, AllReduceStats)
+        with st._lock:
+            st.stats.append(
+                {
+                    "module": self.name,
+                    "call": step,
+                    "collective": "replica_allreduce",
+                    "numel": reduce_output.numel(),
+                    "codec": stats.codec,
+                    "bytes_sent": stats.bytes_sent,
+                    "bytes_received": stats.bytes_received,
+                    "seconds": {**stats.seconds, "comm_total": time.perf_counter() - t0},
+                }
+            )
+
+
+def _is_native_hsdp(m: FSDPModule) -> bool:
+    groups = getattr(m._get_fsdp_state(), "_fsdp_param_groups", [])
+    return any(bool(getattr(g, "_is_hsdp", False)) for g in groups)
+
+
 def _fsdp_modules(module: torch.nn.Module) -> list[tuple[str, FSDPModule]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
 
@@ -301,8 +373,9 @@ def compress(
 
     ``options``: the keyword arguments of :class:`FSDPState` (``process_group``,
     ``error_feedback``, ``seed``, ``threshold``, ``sub_chunk``, ``timeout``, ``return_bound``,
-    ``schedule_options``). Collective: call it on every rank, after ``fully_shard``; ranks
-    that disagree on the configuration raise :class:`ConfigMismatchError` here.
+    ``schedule_options``, ``replicate_group``: compressed HSDP, see the module docstring).
+    Collective: call it on every rank, after ``fully_shard``; ranks that disagree on the
+    configuration raise :class:`ConfigMismatchError` here.
     """
     found = _fsdp_modules(module)
     if not found:
@@ -322,6 +395,14 @@ def compress(
                 f"take a custom reduce-scatter: {exc}"
             ) from exc
         state.comms[label] = comm
+        if state.replicate_group is not None:
+            if _is_native_hsdp(m):
+                raise ValueError(
+                    f"dynamiq.fsdp.compress: FSDP module {label!r} is native HSDP (a 2-D "
+                    "mesh), which all-reduces across replicas itself: with replicate_group, "
+                    "shard it over the 1-D shard mesh"
+                )
+            m.set_all_reduce_hook(ReplicaAllReduce(state, label, index))
     nccl = dist.get_backend(state.process_group) == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     agree(state.transport, state.describe(), state.timeout, device)
