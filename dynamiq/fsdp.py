@@ -44,14 +44,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
-from dynamiq.codecs import get_codec
+from dynamiq.codecs import Codec, get_codec
 from dynamiq.collectives.api import (
     DEFAULT_THRESHOLD,
     AllReduceStats,
@@ -61,8 +61,12 @@ from dynamiq.collectives.api import (
     reduce_scatter,
 )
 from dynamiq.collectives.engine import agree
+from dynamiq.collectives.options import CollectiveOptions, OptionKeywords, merge_options
 from dynamiq.collectives.schedules import Schedule, get_schedule
 from dynamiq.collectives.transport import TorchDistTransport
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["DynamiqReduceScatter", "FSDPState", "ReplicaAllReduce", "compress"]
 
@@ -93,30 +97,36 @@ class FSDPState:
     hook); ``calls`` counts the calls of each module (``"<name> (replicas)"``: its hook's);
     ``bounds`` (``return_bound=True``) the certified per-element bound of each module's last
     output shard (fp64, in the output's units, including its rounding to the output dtype).
+
+    The configuration is a :class:`~dynamiq.collectives.CollectiveOptions` (``options=``,
+    or its fields as keywords: ``seed``, ``threshold``, ``sub_chunk``, ``timeout``,
+    ``return_bound``, ``schedule_options``), as for :class:`~dynamiq.ddp.DynamiqState`; the
+    codec defaults to ``"dynamiq"``. ``error_feedback``: ``False``, ``True`` (a residual the
+    size of the unsharded gradient) or ``"shard"`` (the rank's own shard);
+    ``replicate_group``: compressed HSDP across replicas.
     """
 
     def __init__(
         self,
-        codec: Any = "dynamiq",
-        schedule: str | Schedule = "ring",
+        codec: Any = None,
+        schedule: str | Schedule | None = None,
         process_group: Any = None,
         *,
+        options: CollectiveOptions | None = None,
         error_feedback: bool | str = False,
-        seed: int = 0,
-        threshold: int = DEFAULT_THRESHOLD,
-        sub_chunk: int = 1 << 18,
-        timeout: float = 300.0,
-        return_bound: bool = False,
-        schedule_options: dict[str, Any] | None = None,
         replicate_group: Any = None,
+        **keywords: Unpack[OptionKeywords],
     ):
         if error_feedback not in _EF_MODES:
             raise ValueError(
                 f"error_feedback must be False, True or 'shard' (got {error_feedback!r})"
             )
-        self.codec = get_codec(codec)
-        self.schedule = schedule
-        self.schedule_options = dict(schedule_options or {})
+        opts = merge_options("FSDPState", options, codec=codec, schedule=schedule, **keywords)
+        self.options = opts.replace(
+            codec=get_codec(opts.codec if opts.codec is not None else "dynamiq"),
+            threshold=opts.threshold if opts.threshold is not None else DEFAULT_THRESHOLD,
+            return_bound=bool(opts.return_bound),
+        )
         if process_group is None:  # dynamiq's point-to-point traffic apart from FSDP's own
             process_group = dist.new_group(backend=dist.get_backend())
         self.process_group = process_group
@@ -127,19 +137,49 @@ class FSDPState:
         )
         # fail here, not in the first backward, on a schedule that cannot own FSDP's ranges
         n = self.transport.world_size
-        _bounds_by_chunk(get_schedule(schedule, n, **self.schedule_options), [(0, 0)] * n)
+        _bounds_by_chunk(get_schedule(self.schedule, n, **self.schedule_options), [(0, 0)] * n)
         self.error_feedback = error_feedback
-        self.seed = seed
-        self.threshold = threshold
-        self.sub_chunk = sub_chunk
-        self.timeout = timeout
-        self.return_bound = return_bound
         self.residuals: dict[str, torch.Tensor] = {}
         self.calls: dict[str, int] = {}
         self.bounds: dict[str, torch.Tensor] = {}
         self.stats: list[dict[str, Any]] = []
         self.comms: dict[str, DynamiqReduceScatter] = {}
         self._lock = threading.Lock()
+
+    # the options' fields, read by the comms
+    @property
+    def codec(self) -> Codec:
+        """The codec of the gradients (a :class:`~dynamiq.codecs.Codec`)."""
+        return get_codec(self.options.codec)  # type: ignore[arg-type]  # resolved in __init__
+
+    @property
+    def schedule(self) -> str | Schedule:
+        return self.options.schedule
+
+    @property
+    def schedule_options(self) -> dict[str, Any]:
+        return dict(self.options.schedule_options or {})
+
+    @property
+    def seed(self) -> int:
+        return self.options.seed
+
+    @property
+    def threshold(self) -> int:
+        assert self.options.threshold is not None  # set in __init__
+        return self.options.threshold
+
+    @property
+    def sub_chunk(self) -> int:
+        return self.options.sub_chunk
+
+    @property
+    def timeout(self) -> float:
+        return self.options.timeout
+
+    @property
+    def return_bound(self) -> bool:
+        return bool(self.options.return_bound)
 
     def describe(self) -> dict[str, Any]:
         """What every rank must agree on (checked by :func:`compress`)."""
