@@ -17,14 +17,15 @@ worker ``r``'s row.
 Each cell is one ``simulate_schedule`` run with ``return_bound=False`` (the bounds are not
 needed for vNMSE; they cost about as much as the run), torch on one thread. Recorded: vNMSE
 against the fp64 sum, bits/value as ``SimResult.bits_per_value`` counts them, wall and CPU
-seconds, and the largest / mean bytes a rank sends in a round (over the ranks that send in
-it; the worst round). Cells are appended to ``--out`` (JSON) as they finish; a rerun skips
-the cells already there.
+seconds, and the largest / mean bytes a rank sends in a round (over the ranks the schedule
+has send in it; the worst round). Cells are appended to ``--out`` (JSON) as they finish; a
+rerun skips the cells already there.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 
 from dynamiq.codecs import get_codec
-from dynamiq.collectives import get_schedule
+from dynamiq.collectives import Schedule, get_schedule
 from dynamiq.collectives.simulator import simulate_schedule
 from dynamiq.data import DataConfig, default_cache_dir
 
@@ -46,17 +47,29 @@ RANKS_PER_NODE = 8
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "data" / "scale.json"
 
 
-def gradients(workers: int, values: int, progress: bool = True) -> torch.Tensor:
-    """``[workers, values]`` real gradients (see the module docstring), cached."""
-    from dynamiq.data.gradients import _trained_model, param_layout, worker_gradient
+def gradients(
+    workers: int, values: int, train_steps: int, worker_batch: int, progress: bool = True
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``[workers, values]`` real gradients (see the module docstring), cached, and where they
+    come from."""
+    from dynamiq.data.gradients import _hash, _trained_model, param_layout, worker_gradient
 
-    cfg = DataConfig(max_workers=workers)
+    cfg = DataConfig(max_workers=workers, train_steps=train_steps, worker_batch=worker_batch)
     root = default_cache_dir()
     corpus = cfg.build_corpus()
-    path = root / f"scale-gradients-{corpus.sha256[:12]}-{workers}x{values}.npy"
+    path = root / f"scale-gradients-{_hash(cfg.to_dict())[:12]}-{workers}x{values}.npy"
+    model, info = _trained_model(cfg, corpus, root, regenerate=False, progress=progress)
+    source = {
+        "model": dataclasses.asdict(cfg.model),
+        "train_steps": train_steps,
+        "worker_batch": worker_batch,
+        "workers": workers,
+        "values": values,
+        "final_train_loss": info.get("final_train_loss"),
+        "first_train_loss": (info.get("train_loss_curve") or [None])[0],
+    }
     if path.exists():
-        return torch.from_numpy(np.load(path))
-    model, _ = _trained_model(cfg, corpus, root, regenerate=False, progress=progress)
+        return torch.from_numpy(np.load(path)), source
     numel = sum(int(p["numel"]) for p in param_layout(model))
     idx = np.sort(np.random.default_rng(0).choice(numel, size=values, replace=False))
     out = np.empty((workers, values), dtype=np.float32)
@@ -70,16 +83,16 @@ def gradients(workers: int, values: int, progress: bool = True) -> torch.Tensor:
     tmp = path.with_suffix(".tmp.npy")
     np.save(tmp, out)
     tmp.replace(path)
-    return torch.from_numpy(out)
+    return torch.from_numpy(out), source
 
 
-def round_balance(round_bytes: np.ndarray) -> float:
-    """Worst round's largest / mean bytes over the ranks that send in it."""
+def round_balance(round_bytes: np.ndarray, sched: Schedule) -> float:
+    """Worst round's largest / mean bytes over the ranks the schedule has send in it."""
+    sends = np.array([[st.send_to is not None for st in row] for row in sched.steps]).T
     worst = 1.0
-    for row in round_bytes:
-        live = row[row > 0]
-        if live.size:
-            worst = max(worst, float(live.max() / live.mean()))
+    for row, live in zip(round_bytes, sends, strict=True):
+        if live.any() and row[live].mean() > 0:
+            worst = max(worst, float(row[live].max() / row[live].mean()))
     return worst
 
 
@@ -101,7 +114,7 @@ def cell(grads: torch.Tensor, codec: str, schedule: str, n: int) -> dict[str, An
         "values": numel,
         "vnmse": float(err.square().sum() / exact.square().sum()),
         "bits_per_value": 8 * sent / n / (2 * (n - 1) / n * numel),
-        "round_balance": round_balance(run.round_bytes),
+        "round_balance": round_balance(run.round_bytes, sched),
         "seconds": wall,
         "cpu_seconds": cpu,
         "phases": run.seconds,
@@ -109,15 +122,27 @@ def cell(grads: torch.Tensor, codec: str, schedule: str, n: int) -> dict[str, An
 
 
 def report(rows: list[dict[str, Any]]) -> str:
+    """The table; for the ring, also the vNMSE that growth linear in ``n - 1`` from the
+    fewest ranks measured predicts."""
     lines = [
-        "| ranks | schedule | codec | vNMSE | bits/value | largest/mean bytes per round | s |",
-        "|---:|---|---|---:|---:|---:|---:|",
+        "| ranks | schedule | codec | vNMSE | ring: linear prediction | bits/value "
+        "| largest/mean bytes per round | s (CPU s) |",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     key = {c: i for i, c in enumerate(CODECS)}
+    base: dict[str, dict[str, Any]] = {}
+    for r in sorted(rows, key=lambda r: r["ranks"]):
+        if r["schedule"] == "ring":
+            base.setdefault(r["codec"], r)
     for r in sorted(rows, key=lambda r: (r["ranks"], r["schedule"], key.get(r["codec"], 9))):
+        pred = ""
+        b = base.get(r["codec"])
+        if r["schedule"] == "ring" and b is not None and b["ranks"] < r["ranks"]:
+            pred = f"{b['vnmse'] * (r['ranks'] - 1) / (b['ranks'] - 1):.3g}"
         lines.append(
-            f"| {r['ranks']} | {r['schedule']} | `{r['codec']}` | {r['vnmse']:.3g} | "
-            f"{r['bits_per_value']:.3f} | {r['round_balance']:.2f} | {r['seconds']:.0f} |"
+            f"| {r['ranks']} | {r['schedule']} | `{r['codec']}` | {r['vnmse']:.3g} | {pred} | "
+            f"{r['bits_per_value']:.3f} | {r['round_balance']:.2f} | "
+            f"{r['seconds']:.0f} ({r['cpu_seconds']:.0f}) |"
         )
     return "\n".join(lines)
 
@@ -129,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", action="append", help=f"default {SCHEDULES}")
     ap.add_argument("--workers", type=int, default=max(RANKS))
     ap.add_argument("--values", type=int, default=1 << 16)
+    ap.add_argument("--train-steps", type=int, default=DataConfig().train_steps)
+    ap.add_argument("--worker-batch", type=int, default=DataConfig().worker_batch)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--report", action="store_true", help="print the table from --out")
     args = ap.parse_args(argv)
@@ -137,18 +164,22 @@ def main(argv: list[str] | None = None) -> int:
         print(report(rows))
         return 0
     torch.set_num_threads(1)
-    grads = gradients(args.workers, args.values)
-    done = {(r["codec"], r["schedule"], r["ranks"], r["values"]) for r in rows}
+    grads, source = gradients(args.workers, args.values, args.train_steps, args.worker_batch)
+    done = {
+        (r["codec"], r["schedule"], r["ranks"], r["values"]) for r in rows if r["data"] == source
+    }
     for n in args.ranks or RANKS:
         for schedule in args.schedule or SCHEDULES:
             for codec in args.codec or CODECS:
                 if (codec, schedule, n, args.values) in done:
                     continue
                 row = cell(grads, codec, schedule, n)
+                row["data"] = source
                 rows.append(row)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(rows, indent=1))
-                print(json.dumps({k: v for k, v in row.items() if k != "phases"}), flush=True)
+                brief = {k: v for k, v in row.items() if k not in ("phases", "data")}
+                print(json.dumps(brief), flush=True)
     print(report(rows))
     return 0
 

@@ -144,7 +144,8 @@ class _Sim:
         self.plan = Plan(schedule, codec, seed=seed, step=step)
         self.codecs = self.plan.codecs
         self.bounds, self.pieces = chunk_layout(self.numel, schedule, codec, sub_chunk)
-        self.seconds: dict[str, float] = {}
+        # the engine's phases; nothing agrees over a wire or waits for a peer here
+        self.seconds: dict[str, float] = {"agree": 0.0, "wait": 0.0}
         n = self.n
         self.work = torch.stack([x.detach().to(torch.float32) for x in xs]).reshape(n, -1)
         self.beta = torch.zeros(n, self.numel, dtype=torch.float64) if return_bound else None
