@@ -6,6 +6,7 @@ Every file a docstring, comment or document cites exists in the repository, and 
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -123,3 +124,51 @@ def test_cited_files_exist(path: Path) -> None:
         assert bad, f"{rel} cites only existing files now: remove it from PENDING"
         return
     assert not bad, f"{rel} cites files that are not in the repository: {bad}"
+
+
+# -- function size ----------------------------------------------------------------------------
+
+MAX_FUNCTION_LINES = 120
+#: dynamiq/collectives is excluded while the engine is split into small methods (issue 17
+#: items 1-3: `run_schedule` is 327 lines); remove the exclusion with that change.
+LENGTH_EXCLUDED = ("dynamiq/collectives/",)
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """``(qualified name, lines)`` of every function in ``source`` longer than ``limit``
+    lines, decorators included."""
+    out = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    first = min([d.lineno for d in child.decorator_list] + [child.lineno])
+                    size = (child.end_lineno or child.lineno) - first + 1
+                    if size > limit:
+                        out.append((name, size))
+                visit(child, name + ".")
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def test_the_length_scan_counts_lines() -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(5))
+    method = "\n".join("    " + line for line in f"def g(self):\n{body}".splitlines())
+    src = f"@decorator\ndef f():\n{body}\n\nclass C:\n{method}\n"
+    assert long_functions(src, limit=6) == [("f", 7)]  # decorator, def and 5 lines
+    assert long_functions(src, limit=5) == [("f", 7), ("C.g", 6)]
+
+
+def test_no_function_in_the_package_is_over_120_lines() -> None:
+    found = []
+    for path in sorted((ROOT / "dynamiq").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(LENGTH_EXCLUDED):
+            continue
+        found += [
+            f"{rel}: {name} ({size} lines)" for name, size in long_functions(path.read_text())
+        ]
+    assert not found, "split these functions: " + "; ".join(found)

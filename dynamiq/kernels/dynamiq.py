@@ -401,11 +401,150 @@ def _quantize(v, scale, w, tab_ptr, idx, key0, key1, ckey0, ckey1, hop, num_hops
     return tl.where(m, tl.where(up, hi, lo), 0)
 
 
+@triton.jit
+def _span_statistics(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
+    x_span, inp, out, stat, tab_ptr, ebase, in_body, in_nbody, nsg, n, ng, in_tau, in_left,
+    in_flat, FUSED: tl.constexpr, IN_KIND: tl.constexpr, G: tl.constexpr, PER_SG: tl.constexpr,
+    GP: tl.constexpr, K: tl.constexpr, POOLED: tl.constexpr, Q, BSG: tl.constexpr,
+    CG: tl.constexpr, NCH: tl.constexpr,
+):  # fmt: skip
+    """Phase 2a of :func:`_dq_encode_kernel`: every group's absmax bits into ``stat``, every
+    super-group's scale into the output header."""
+    zero = tl.full([], 0, tl.int32)
+    in_rise = zero
+    in_bit = zero
+    for sgb in range(0, nsg, BSG):
+        amax = tl.zeros([BSG], dtype=tl.int32)
+        for c in range(NCH):
+            # -- load with mask: fp32 values (fused: decoded partial sum + local)
+            g, greal, _, _, _, ereal, v, in_rise, in_bit = _tile_values(
+                x_span, inp, ebase, in_body, in_nbody, tab_ptr, sgb, c, n, ng, in_tau, in_left,
+                in_flat, in_rise, in_bit, FUSED, IN_KIND, G, PER_SG, GP, K, POOLED, Q, BSG, CG,
+            )  # fmt: skip
+            # -- compute: integer max of the magnitude bits (NaN > Inf > finite)
+            mag = tl.where(ereal, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+            ag = tl.max(mag, axis=2)
+            tl.store(stat + g, ag, mask=greal)
+            amax = tl.maximum(amax, tl.max(ag, axis=1))
+        # -- store with mask: S = the smallest bf16 >= absmax (NaN: NAN_SCALE)
+        sg = sgb + tl.arange(0, BSG)
+        s16 = tl.where(amax > 0x7F800000, NAN_SCALE, (amax + 0xFFFF) >> 16)
+        tl.store(out + 2 * sg, (s16 & 0xFF).to(tl.uint8), mask=sg < nsg)
+        tl.store(out + 2 * sg + 1, (s16 >> 8).to(tl.uint8), mask=sg < nsg)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _group_codes(out, stat, tab_ptr, ebase, ng, K: tl.constexpr, PER_SG: tl.constexpr,
+                 BLK: tl.constexpr):  # fmt: skip
+    """Phase 2b of :func:`_dq_encode_kernel`: every group's scale code into the output header
+    (two per byte) and its level into ``stat`` (over its absmax); returns the smallest and
+    largest level of the live groups."""
+    lmin = tl.full([], 1 << 20, tl.int32)
+    lmax = tl.full([], -(1 << 20), tl.int32)
+    for pb in range(0, (ng + 1) // 2, BLK // 2):
+        pr = pb + tl.arange(0, BLK // 2)
+        g = 2 * pr[:, None] + tl.arange(0, 2)[None, :]
+        m = g < ng
+        a = tl.load(stat + g, mask=m, other=0)
+        s16 = _load_s16(out, g // PER_SG, m)
+        s = (s16 << 16).to(tl.float32, bitcast=True)
+        af = a.to(tl.float32, bitcast=True)
+        # the 16 candidate group scales, as the decoder computes them: the largest code
+        # whose scale is still >= the absmax
+        j = tl.arange(0, 16)[None, None, :]
+        cand = _group_scale(s[:, :, None], j, tab_ptr, K)
+        e = tl.max(tl.where(cand >= af[:, :, None], j, -1), axis=2)
+        e = tl.minimum(tl.maximum(e, 0), 15)
+        e = tl.where(a == 0, 15, e)
+        e = tl.where(m, e, 0)
+        tl.debug_barrier()  # every absmax of the block is read before its level overwrites it
+        nib = tl.sum(e << (tl.arange(0, 2)[None, :] * 4), axis=1)
+        tl.store(out + ebase + pr, nib.to(tl.uint8), mask=2 * pr < ng)
+        lvl, live = _level_of(s16, e, K)
+        live = live & m
+        tl.store(stat + g, lvl, mask=m)
+        lmin = tl.minimum(lmin, tl.min(tl.min(tl.where(live, lvl, 1 << 20), axis=1), axis=0))
+        lmax = tl.maximum(lmax, tl.max(tl.max(tl.where(live, lvl, -(1 << 20)), axis=1), axis=0))
+    tl.debug_barrier()
+    return lmin, lmax
+
+
+@triton.jit
+def _quantize_pack(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
+    x_span, inp, out, body, pack, tab_ptr, ebase, in_body, in_nbody, nsg, n, ng, in_tau,
+    in_left, in_flat, tau, left, flat, base, key0, key1, ckey0, ckey1, hop, num_hops,
+    FUSED: tl.constexpr, IN_KIND: tl.constexpr, G: tl.constexpr, PER_SG: tl.constexpr,
+    GP: tl.constexpr, K: tl.constexpr, POOLED: tl.constexpr, MODE: tl.constexpr, Q,
+    BSG: tl.constexpr, CG: tl.constexpr, NCH: tl.constexpr,
+):  # fmt: skip
+    """Phase 3 of :func:`_dq_encode_kernel`: the values again (``base``: the global index of
+    the span's first one), their widths, offsets and level indices, packed into ``body``;
+    returns the byte the last tile ended in, its run and the run before it."""
+    zero = tl.full([], 0, tl.int32)
+    NE: tl.constexpr = BSG * CG * GP
+    in_rise = zero
+    in_bit = zero
+    rise = zero
+    bit = zero
+    kc = zero  # the byte the previous tile ended in, its run so far, and the run before it
+    crun = zero
+    cprev = zero
+    lane = tl.arange(0, NE)
+    for sgb in range(0, nsg, BSG):
+        for c in range(NCH):
+            # -- load with mask: the values, as in 2a
+            g, greal, size, jj, el, ereal, v, in_rise, in_bit = _tile_values(
+                x_span, inp, ebase, in_body, in_nbody, tab_ptr, sgb, c, n, ng, in_tau, in_left,
+                in_flat, in_rise, in_bit, FUSED, IN_KIND, G, PER_SG, GP, K, POOLED, Q, BSG, CG,
+            )  # fmt: skip
+            k0 = bit >> 3
+            # -- store: the byte the previous tile ended in, when this tile starts past it
+            tl.store(body + kc, ((crun & 0xFF) | (cprev >> 8)).to(tl.uint8), mask=k0 != kc)
+            # -- compute: the groups' scales and widths, then the level indices
+            scale, w, off, rise, bit = _tile_widths(
+                out, ebase, tab_ptr, g, greal, size, tau, left, flat, rise, bit, K, PER_SG,
+                POOLED, Q, BSG, CG,
+            )  # fmt: skip
+            w3 = tl.where(ereal, w[:, :, None], 0)
+            idx = base + el
+            code = _quantize(
+                v, scale[:, :, None], w3, tab_ptr, idx, key0, key1, ckey0, ckey1, hop,
+                num_hops, MODE,
+            )  # fmt: skip
+            # -- pack: byte runs of the codes (code << (p mod 8) at byte p div 8)
+            pos = off[:, :, None] + tl.where(ereal, jj, size[:, :, None]) * w[:, :, None]
+            key = tl.reshape(pos >> 3, [NE])
+            nxt = tl.reshape((pos + w3) >> 3, [NE])
+            psum = tl.cumsum(tl.reshape(code << (pos & 7), [NE]), 0)
+            k1 = tl.max(key, axis=0)
+            tl.debug_barrier()  # the previous tile has read its run sums
+            tl.store(pack + key - k0 + 1, psum, mask=(nxt != key) | (lane == NE - 1))
+            tl.debug_barrier()
+            nb = k1 - k0
+            r0 = tl.load(pack + lane + 1, mask=lane <= nb, other=0)
+            r0 -= tl.load(pack + lane, mask=(lane >= 1) & (lane <= nb), other=0)
+            r1 = tl.load(pack + lane, mask=(lane >= 1) & (lane <= nb), other=0)
+            r1 -= tl.load(pack + lane - 1, mask=(lane >= 2) & (lane <= nb), other=0)
+            cont = k0 == kc
+            run = r0 + tl.where((lane == 0) & cont, crun, 0)
+            prev = r1 + tl.where((lane == 1) & cont, crun, 0)
+            first_prev = tl.where(cont, cprev, tl.where(k0 == kc + 1, crun, 0))
+            prev = tl.where(lane == 0, first_prev, prev)
+            # -- store with mask: the bytes this tile completed
+            byte = (run & 0xFF) | (prev >> 8)
+            tl.store(body + k0 + lane, byte.to(tl.uint8), mask=lane < nb)
+            kc = k1
+            crun = tl.sum(tl.where(lane == nb, run, 0), axis=0)
+            cprev = tl.sum(tl.where(lane == nb, prev, 0), axis=0)
+    return kc, crun, cprev
+
+
 # -- kernels ----------------------------------------------------------------------------------
 
 
 @triton.jit(do_not_specialize=["offset", "key0", "key1", "ckey0", "ckey1", "hop", "num_hops"])
-def _dq_encode_kernel(  # noqa: PLR0913, PLR0915  Triton: an argument per pointer, size, constexpr
+def _dq_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
     # pointers
     x_ptr,  # values (encode) or the local slice (reduce): int32 (fp32) / int16 (bf16, fp16)
     in_ptr,  # incoming payload (reduce; unused when not FUSED)
@@ -487,56 +626,13 @@ def _dq_encode_kernel(  # noqa: PLR0913, PLR0915  Triton: an argument per pointe
         )  # fmt: skip
 
     # -- 2a. statistics: group absmax (scratch), super-group scales (output header)
-    in_rise = zero
-    in_bit = zero
-    for sgb in range(0, nsg, BSG):
-        amax = tl.zeros([BSG], dtype=tl.int32)
-        for c in range(NCH):
-            # -- load with mask: fp32 values (fused: decoded partial sum + local)
-            g, greal, size, jj, el, ereal, v, in_rise, in_bit = _tile_values(
-                x_span, inp, ebase, in_body, in_nbody, tab_ptr, sgb, c, n, ng, in_tau, in_left,
-                in_flat, in_rise, in_bit, FUSED, IN_KIND, G, PER_SG, GP, K, POOLED, Q, BSG, CG,
-            )  # fmt: skip
-            # -- compute: integer max of the magnitude bits (NaN > Inf > finite)
-            mag = tl.where(ereal, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-            ag = tl.max(mag, axis=2)
-            tl.store(stat + g, ag, mask=greal)
-            amax = tl.maximum(amax, tl.max(ag, axis=1))
-        # -- store with mask: S = the smallest bf16 >= absmax (NaN: NAN_SCALE)
-        sg = sgb + tl.arange(0, BSG)
-        s16 = tl.where(amax > 0x7F800000, NAN_SCALE, (amax + 0xFFFF) >> 16)
-        tl.store(out + 2 * sg, (s16 & 0xFF).to(tl.uint8), mask=sg < nsg)
-        tl.store(out + 2 * sg + 1, (s16 >> 8).to(tl.uint8), mask=sg < nsg)
-    tl.debug_barrier()
+    _span_statistics(
+        x_span, inp, out, stat, tab_ptr, ebase, in_body, in_nbody, nsg, n, ng, in_tau, in_left,
+        in_flat, FUSED, IN_KIND, G, PER_SG, GP, K, POOLED, Q, BSG, CG, NCH,
+    )  # fmt: skip
 
     # -- 2b. group codes (output header) and levels (scratch), two groups per byte
-    lmin = tl.full([], 1 << 20, tl.int32)
-    lmax = tl.full([], -(1 << 20), tl.int32)
-    for pb in range(0, (ng + 1) // 2, BLK // 2):
-        pr = pb + tl.arange(0, BLK // 2)
-        g = 2 * pr[:, None] + tl.arange(0, 2)[None, :]
-        m = g < ng
-        a = tl.load(stat + g, mask=m, other=0)
-        s16 = _load_s16(out, g // PER_SG, m)
-        s = (s16 << 16).to(tl.float32, bitcast=True)
-        af = a.to(tl.float32, bitcast=True)
-        # the 16 candidate group scales, as the decoder computes them: the largest code
-        # whose scale is still >= the absmax
-        j = tl.arange(0, 16)[None, None, :]
-        cand = _group_scale(s[:, :, None], j, tab_ptr, K)
-        e = tl.max(tl.where(cand >= af[:, :, None], j, -1), axis=2)
-        e = tl.minimum(tl.maximum(e, 0), 15)
-        e = tl.where(a == 0, 15, e)
-        e = tl.where(m, e, 0)
-        tl.debug_barrier()  # every absmax of the block is read before its level overwrites it
-        nib = tl.sum(e << (tl.arange(0, 2)[None, :] * 4), axis=1)
-        tl.store(out + ebase + pr, nib.to(tl.uint8), mask=2 * pr < ng)
-        lvl, live = _level_of(s16, e, K)
-        live = live & m
-        tl.store(stat + g, lvl, mask=m)
-        lmin = tl.minimum(lmin, tl.min(tl.min(tl.where(live, lvl, 1 << 20), axis=1), axis=0))
-        lmax = tl.maximum(lmax, tl.max(tl.max(tl.where(live, lvl, -(1 << 20)), axis=1), axis=0))
-    tl.debug_barrier()
+    lmin, lmax = _group_codes(out, stat, tab_ptr, ebase, ng, K, PER_SG, BLK)
     tau = zero
     left = zero
     if POOLED:
@@ -545,60 +641,11 @@ def _dq_encode_kernel(  # noqa: PLR0913, PLR0915  Triton: an argument per pointe
         )
 
     # -- 3. the values again: widths, offsets, quantize, pack
-    in_rise = zero
-    in_bit = zero
-    rise = zero
-    bit = zero
-    kc = zero  # the byte the previous tile ended in, its run so far, and the run before it
-    crun = zero
-    cprev = zero
-    lane = tl.arange(0, NE)
-    for sgb in range(0, nsg, BSG):
-        for c in range(NCH):
-            # -- load with mask: the values, as in 2a
-            g, greal, size, jj, el, ereal, v, in_rise, in_bit = _tile_values(
-                x_span, inp, ebase, in_body, in_nbody, tab_ptr, sgb, c, n, ng, in_tau, in_left,
-                in_flat, in_rise, in_bit, FUSED, IN_KIND, G, PER_SG, GP, K, POOLED, Q, BSG, CG,
-            )  # fmt: skip
-            k0 = bit >> 3
-            # -- store: the byte the previous tile ended in, when this tile starts past it
-            tl.store(body + kc, ((crun & 0xFF) | (cprev >> 8)).to(tl.uint8), mask=k0 != kc)
-            # -- compute: the groups' scales and widths, then the level indices
-            scale, w, off, rise, bit = _tile_widths(
-                out, ebase, tab_ptr, g, greal, size, tau, left, flat, rise, bit, K, PER_SG,
-                POOLED, Q, BSG, CG,
-            )  # fmt: skip
-            w3 = tl.where(ereal, w[:, :, None], 0)
-            idx = offset + start + el
-            code = _quantize(
-                v, scale[:, :, None], w3, tab_ptr, idx, key0, key1, ckey0, ckey1, hop,
-                num_hops, MODE,
-            )  # fmt: skip
-            # -- pack: byte runs of the codes (code << (p mod 8) at byte p div 8)
-            pos = off[:, :, None] + tl.where(ereal, jj, size[:, :, None]) * w[:, :, None]
-            key = tl.reshape(pos >> 3, [NE])
-            nxt = tl.reshape((pos + w3) >> 3, [NE])
-            psum = tl.cumsum(tl.reshape(code << (pos & 7), [NE]), 0)
-            k1 = tl.max(key, axis=0)
-            tl.debug_barrier()  # the previous tile has read its run sums
-            tl.store(pack + key - k0 + 1, psum, mask=(nxt != key) | (lane == NE - 1))
-            tl.debug_barrier()
-            nb = k1 - k0
-            r0 = tl.load(pack + lane + 1, mask=lane <= nb, other=0)
-            r0 -= tl.load(pack + lane, mask=(lane >= 1) & (lane <= nb), other=0)
-            r1 = tl.load(pack + lane, mask=(lane >= 1) & (lane <= nb), other=0)
-            r1 -= tl.load(pack + lane - 1, mask=(lane >= 2) & (lane <= nb), other=0)
-            cont = k0 == kc
-            run = r0 + tl.where((lane == 0) & cont, crun, 0)
-            prev = r1 + tl.where((lane == 1) & cont, crun, 0)
-            first_prev = tl.where(cont, cprev, tl.where(k0 == kc + 1, crun, 0))
-            prev = tl.where(lane == 0, first_prev, prev)
-            # -- store with mask: the bytes this tile completed
-            byte = (run & 0xFF) | (prev >> 8)
-            tl.store(body + k0 + lane, byte.to(tl.uint8), mask=lane < nb)
-            kc = k1
-            crun = tl.sum(tl.where(lane == nb, run, 0), axis=0)
-            cprev = tl.sum(tl.where(lane == nb, prev, 0), axis=0)
+    kc, crun, cprev = _quantize_pack(
+        x_span, inp, out, body, pack, tab_ptr, ebase, in_body, in_nbody, nsg, n, ng, in_tau,
+        in_left, in_flat, tau, left, flat, offset + start, key0, key1, ckey0, ckey1, hop,
+        num_hops, FUSED, IN_KIND, G, PER_SG, GP, K, POOLED, MODE, Q, BSG, CG, NCH,
+    )  # fmt: skip
 
     # -- store with mask: the last byte, its spill, zeros to the end of the container
     b0 = (crun & 0xFF) | (cprev >> 8)
