@@ -1,4 +1,4 @@
-"""DDP communication hook (DESIGN.md, "DDP hook"; STYLE.md item 9).
+"""DDP communication hook (docs/design.md, "DDP hook"; "House style", item 9).
 
 One line in a training script::
 

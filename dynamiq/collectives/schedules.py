@@ -1,4 +1,4 @@
-"""Hop schedules as data (DESIGN.md, "Collectives").
+"""Hop schedules as data (docs/design.md, "The engine").
 
 A :class:`Schedule` says, for each rank and each *round*, what the rank sends to whom, what it
 receives from whom, and what it does with what it receives::
