@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from dynamiq.codecs import get_codec
+from dynamiq.codecs import Codec, get_codec
 from dynamiq.collectives.api import DEFAULT_THRESHOLD, allreduce
 from dynamiq.collectives.options import CollectiveOptions, OptionKeywords, merge_options
 from dynamiq.collectives.schedules import Schedule
@@ -134,9 +134,11 @@ class DynamiqState:
         self._thread.start()
 
     @property
-    def codec(self) -> Any:
-        """The codec of the buckets (a :class:`~dynamiq.codecs.Codec`)."""
-        return get_codec(self.options.codec)  # type: ignore[arg-type]  # resolved in __init__
+    def codec(self) -> Codec:
+        """The codec of the buckets."""
+        codec = self.options.codec
+        assert isinstance(codec, Codec)  # resolved in __init__
+        return codec
 
     # -- the communication thread --------------------------------------------------------
 

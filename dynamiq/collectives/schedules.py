@@ -177,45 +177,52 @@ def validate(s: Schedule) -> None:
         raise ScheduleError(f"ranks have different numbers of rounds: {sorted(rounds)}")
     for r, rank_steps in enumerate(s.steps):
         for k, st in enumerate(rank_steps):
-            where = f"rank {r}, round {k}"
-            if not isinstance(st, Step):
-                raise ScheduleError(f"{where}: expected a Step (got {type(st).__name__})")
-            if st.action not in ("reduce", "copy"):
-                raise ScheduleError(f"{where}: action must be 'reduce' or 'copy' ({st.action!r})")
-            for peer, chunks, verb in (
-                (st.send_to, st.send_chunks, "send"),
-                (st.recv_from, st.recv_chunks, "recv"),
-            ):
-                if peer is None:
-                    if chunks:
-                        raise ScheduleError(f"{where}: {verb} chunks without a peer")
-                    continue
-                if not 0 <= peer < n or peer == r:
-                    raise ScheduleError(f"{where}: {verb} peer {peer} is not another rank")
-                if not chunks:
-                    raise ScheduleError(f"{where}: {verb} to/from {peer} carries no chunk")
-                if any(not 0 <= ch < c for ch in chunks) or len(set(chunks)) != len(chunks):
-                    raise ScheduleError(f"{where}: bad {verb} chunks {chunks}")
-    # lock-step matching
+            _check_step(st, f"rank {r}, round {k}", r, n, c)
     for k in range(s.num_rounds):
         for r in range(n):
-            st = s.steps[r][k]
-            if st.send_to is not None:
-                other = s.steps[st.send_to][k]
-                if other.recv_from != r or other.recv_chunks != st.send_chunks:
-                    raise ScheduleError(
-                        f"round {k}: rank {r} sends chunks {st.send_chunks} to rank "
-                        f"{st.send_to}, which receives {other.recv_chunks} from "
-                        f"{other.recv_from}"
-                    )
-                if _codec_key(other.codec) != _codec_key(st.codec):
-                    raise ScheduleError(f"round {k}: ranks {r} and {st.send_to} disagree on codec")
-            if st.recv_from is not None and s.steps[st.recv_from][k].send_to != r:
-                raise ScheduleError(
-                    f"round {k}: rank {r} receives from rank {st.recv_from}, which does not "
-                    f"send to it"
-                )
+            _check_matching(s, k, r)
     _simulate(s)
+
+
+def _check_step(st: Any, where: str, r: int, n: int, c: int) -> None:
+    """One step's type, action, peers and chunk ranges."""
+    if not isinstance(st, Step):
+        raise ScheduleError(f"{where}: expected a Step (got {type(st).__name__})")
+    if st.action not in ("reduce", "copy"):
+        raise ScheduleError(f"{where}: action must be 'reduce' or 'copy' ({st.action!r})")
+    for peer, chunks, verb in (
+        (st.send_to, st.send_chunks, "send"),
+        (st.recv_from, st.recv_chunks, "recv"),
+    ):
+        if peer is None:
+            if chunks:
+                raise ScheduleError(f"{where}: {verb} chunks without a peer")
+            continue
+        if not 0 <= peer < n or peer == r:
+            raise ScheduleError(f"{where}: {verb} peer {peer} is not another rank")
+        if not chunks:
+            raise ScheduleError(f"{where}: {verb} to/from {peer} carries no chunk")
+        if any(not 0 <= ch < c for ch in chunks) or len(set(chunks)) != len(chunks):
+            raise ScheduleError(f"{where}: bad {verb} chunks {chunks}")
+
+
+def _check_matching(s: Schedule, k: int, r: int) -> None:
+    """Lock-step matching: rank ``r``'s send and receive of round ``k`` have their peers'."""
+    st = s.steps[r][k]
+    if st.send_to is not None:
+        other = s.steps[st.send_to][k]
+        if other.recv_from != r or other.recv_chunks != st.send_chunks:
+            raise ScheduleError(
+                f"round {k}: rank {r} sends chunks {st.send_chunks} to rank "
+                f"{st.send_to}, which receives {other.recv_chunks} from "
+                f"{other.recv_from}"
+            )
+        if _codec_key(other.codec) != _codec_key(st.codec):
+            raise ScheduleError(f"round {k}: ranks {r} and {st.send_to} disagree on codec")
+    if st.recv_from is not None and s.steps[st.recv_from][k].send_to != r:
+        raise ScheduleError(
+            f"round {k}: rank {r} receives from rank {st.recv_from}, which does not send to it"
+        )
 
 
 def _ranks(bits: int) -> list[int]:
@@ -252,25 +259,7 @@ def _simulate(s: Schedule) -> dict[int, tuple[int, int]]:
             if st.recv_from is None:
                 continue
             for ch in st.recv_chunks:
-                incoming = sent[st.recv_from][ch]
-                if st.action == "copy":
-                    held[r][ch] = incoming
-                else:
-                    if held[r][ch] & incoming:
-                        raise ScheduleError(
-                            f"round {k}: rank {r} reduces chunk {ch} twice with the "
-                            f"gradients of ranks {_ranks(held[r][ch] & incoming)}"
-                        )
-                    held[r][ch] |= incoming
-                    if held[r][ch] == everyone:
-                        if ch in completed:
-                            (r0, k0) = completed[ch]
-                            raise ScheduleError(
-                                f"chunk {ch} is summed completely twice (rank {r0} in round "
-                                f"{k0}, rank {r} in round {k}): ranks would not end "
-                                f"bit-identical; complete it once and copy it"
-                            )
-                        completed[ch] = (r, k)
+                _arrive(held, completed, everyone, sent[st.recv_from][ch], st.action, r, ch, k)
     for r in range(n):
         for ch in range(c):
             if held[r][ch] != everyone:
@@ -279,6 +268,37 @@ def _simulate(s: Schedule) -> dict[int, tuple[int, int]]:
                     f"rank {r} ends without the gradients of ranks {missing} in chunk {ch}"
                 )
     return completed
+
+
+def _arrive(
+    held: list[list[int]],
+    completed: dict[int, tuple[int, int]],
+    everyone: int,
+    incoming: int,
+    action: str,
+    r: int,
+    ch: int,
+    k: int,
+) -> None:
+    """Rank ``r`` receives chunk ``ch`` holding the gradients ``incoming`` in round ``k``."""
+    if action == "copy":
+        held[r][ch] = incoming
+        return
+    if held[r][ch] & incoming:
+        raise ScheduleError(
+            f"round {k}: rank {r} reduces chunk {ch} twice with the "
+            f"gradients of ranks {_ranks(held[r][ch] & incoming)}"
+        )
+    held[r][ch] = held[r][ch] | incoming
+    if held[r][ch] == everyone:
+        if ch in completed:
+            (r0, k0) = completed[ch]
+            raise ScheduleError(
+                f"chunk {ch} is summed completely twice (rank {r0} in round "
+                f"{k0}, rank {r} in round {k}): ranks would not end "
+                f"bit-identical; complete it once and copy it"
+            )
+        completed[ch] = (r, k)
 
 
 def _steps(n: int, rounds: int) -> list[list[Step]]:
@@ -397,6 +417,27 @@ _BUILTIN: dict[str, Callable[..., Schedule]] = {
 }
 
 
+def list_schedules() -> list[str]:
+    """Names accepted by :func:`get_schedule`."""
+    return sorted(_BUILTIN)
+
+
+def get_schedule(name: str | Schedule, world_size: int, **kw: Any) -> Schedule:
+    """A built-in schedule by name (keyword options passed on), or a user's schedule checked
+    against ``world_size``."""
+    if isinstance(name, Schedule):
+        if name.world_size != world_size:
+            raise ScheduleError(
+                f"schedule {name.name!r} is for world_size {name.world_size}, not {world_size}"
+            )
+        return name
+    if name not in _BUILTIN:
+        raise ScheduleError(f"unknown schedule {name!r} (known: {', '.join(list_schedules())})")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ScheduleError(f"world_size must be >= 1 (got {world_size!r})")
+    return _BUILTIN[name](world_size, **kw)
+
+
 def _hierarchical_shape(
     world_size: int, ranks_per_node: int = 2, intra_codec: Any = None
 ) -> tuple[int, list[Any]]:
@@ -424,24 +465,3 @@ def schedule_shape(name: str | Schedule, world_size: int, **kw: Any) -> tuple[in
     if not isinstance(world_size, int) or world_size < 1:
         raise ScheduleError(f"world_size must be >= 1 (got {world_size!r})")
     return _SHAPES[name](world_size, **kw)
-
-
-def list_schedules() -> list[str]:
-    """Names accepted by :func:`get_schedule`."""
-    return sorted(_BUILTIN)
-
-
-def get_schedule(name: str | Schedule, world_size: int, **kw: Any) -> Schedule:
-    """A built-in schedule by name (keyword options passed on), or a user's schedule checked
-    against ``world_size``."""
-    if isinstance(name, Schedule):
-        if name.world_size != world_size:
-            raise ScheduleError(
-                f"schedule {name.name!r} is for world_size {name.world_size}, not {world_size}"
-            )
-        return name
-    if name not in _BUILTIN:
-        raise ScheduleError(f"unknown schedule {name!r} (known: {', '.join(list_schedules())})")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ScheduleError(f"world_size must be >= 1 (got {world_size!r})")
-    return _BUILTIN[name](world_size, **kw)
