@@ -119,9 +119,6 @@ def test_cited_files_exist(path: Path) -> None:
 # -- function size ----------------------------------------------------------------------------
 
 MAX_FUNCTION_LINES = 120
-#: dynamiq/collectives is excluded while the engine is split into small methods (issue 17
-#: items 1-3: `run_schedule` is 327 lines); remove the exclusion with that change.
-LENGTH_EXCLUDED = ("dynamiq/collectives/",)
 
 
 def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
@@ -156,8 +153,6 @@ def test_no_function_in_the_package_is_over_120_lines() -> None:
     found = []
     for path in sorted((ROOT / "dynamiq").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith(LENGTH_EXCLUDED):
-            continue
         found += [
             f"{rel}: {name} ({size} lines)" for name, size in long_functions(path.read_text())
         ]

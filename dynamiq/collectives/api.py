@@ -511,7 +511,8 @@ def reduce_scatter(
     residual: torch.Tensor | None = ...,
     **keywords: Unpack[OptionKeywords],
 ) -> Shard | AllReduceHandle[Shard]: ...
-def reduce_scatter(
+# per-call data beside the options: the caller-given layout (FSDP2) and error feedback
+def reduce_scatter(  # noqa: PLR0913
     tensor: torch.Tensor,
     codec: Any = None,
     schedule: str | Schedule | None = None,
