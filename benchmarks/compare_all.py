@@ -77,6 +77,7 @@ SETS: dict[str, list[Any]] = {
     ],
     # the codecs compared on every model family (issue 13)
     "families": ["dynamiq", "mxfp8_e4m3", "int8", "mxfp4", "thc", "omnireduce", "bf16"],
+    "families_core": ["dynamiq", "mxfp8_e4m3"],  # the pair issue 13 reports on
     "ablation": [
         {"id": "dynamiq", "pooled": False},
         {"id": "dynamiq", "levels": "uniform"},
