@@ -85,7 +85,8 @@ def compare(
     return rows
 
 
-def compare_families(
+# the grid of compare() (codecs x schedules x workers x seeds) plus which data to load
+def compare_families(  # noqa: PLR0913
     families: Sequence[str],
     codecs: Sequence[Any],
     schedules: Sequence[str] = ("ring", "butterfly"),
