@@ -149,14 +149,18 @@ def predict(
         raise ValueError("no schedules to predict")
     for c in codecs:
         get_codec(c)  # UnknownCodecError names the known ids
-    for s in schedules:
-        get_schedule(s, ranks) if ranks >= 2 else None
     cluster, table, host, sources = resolve(ranks, **setup)
+    # the hierarchical schedule's nodes are the cluster's
+    g = cluster.ranks_per_node if cluster.ranks_per_node > 1 else 2
+    scheds = [
+        get_schedule(s, ranks, ranks_per_node=g) if s == "hierarchical" else get_schedule(s, ranks)
+        for s in schedules
+    ]
     numel = max(1, int(size_mib * 2**20) // 4)
     results = []
     for c in codecs:
         costs = table.get(c)
-        for s in schedules:
+        for s in scheds:
             p = simulate(
                 c, s, cluster, numel, costs, host, sub_chunk=sub_chunk, intra_costs=table.get
             )

@@ -218,3 +218,26 @@ def test_cli_rejects_bad_arguments(
 def test_calibrate_needs_something_to_measure(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = _plan(capsys, "calibrate")
     assert rc == 2 and "--kernels and/or --network" in err
+
+
+def test_hierarchical_nodes_are_the_clusters(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = _plan(
+        capsys,
+        "--profile",
+        "ib100",
+        "--ranks",
+        "8",
+        "--ranks-per-node",
+        "4",
+        "--size-mib",
+        "1",
+        "--codecs",
+        "bf16",
+        "--schedules",
+        "ring,hierarchical",
+        "--json",
+    )
+    assert rc == 0
+    data = json.loads(out)
+    assert [r["schedule"] for r in data["results"]] == ["ring", "hierarchical(g=4)"]
+    assert data["parameters"]["intra_link"]["rate_bps"] == 3600e9
