@@ -4,3 +4,7 @@ See ``docs/plan.md``. :func:`predict` is the entry point; :mod:`dynamiq.plan.mod
 simulation, :mod:`dynamiq.plan.costs` its parameters, :mod:`dynamiq.plan.profiles` the named
 links and devices, :mod:`dynamiq.plan.calibrate` the microbenchmarks that measure them.
 """
+
+from .api import break_even, predict, resolve
+
+__all__ = ["break_even", "predict", "resolve"]

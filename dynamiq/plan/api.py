@@ -149,14 +149,18 @@ def predict(
         raise ValueError("no schedules to predict")
     for c in codecs:
         get_codec(c)  # UnknownCodecError names the known ids
-    for s in schedules:
-        get_schedule(s, ranks) if ranks >= 2 else None
     cluster, table, host, sources = resolve(ranks, **setup)
+    # the hierarchical schedule's nodes are the cluster's
+    g = cluster.ranks_per_node if cluster.ranks_per_node > 1 else 2
+    scheds = [
+        get_schedule(s, ranks, ranks_per_node=g) if s == "hierarchical" else get_schedule(s, ranks)
+        for s in schedules
+    ]
     numel = max(1, int(size_mib * 2**20) // 4)
     results = []
     for c in codecs:
         costs = table.get(c)
-        for s in schedules:
+        for s in scheds:
             p = simulate(
                 c, s, cluster, numel, costs, host, sub_chunk=sub_chunk, intra_costs=table.get
             )
@@ -172,9 +176,30 @@ def _bf16_ideal(cluster: Cluster, numel: int) -> float:
     return 2 * (n - 1) * (worst.latency_s + worst.seconds(2 * numel / n))
 
 
-def _speedup(c: str, schedule: str, cluster: Cluster, costs: Any, host: Host, mib: float) -> float:
+def _speedup(
+    c: str, schedule: str, cluster: Cluster, costs: Any, host: Host, mib: float, sub: int
+) -> float:
     numel = int(mib * 2**20) // 4
-    return _bf16_ideal(cluster, numel) / simulate(c, schedule, cluster, numel, costs, host).seconds
+    p = simulate(c, schedule, cluster, numel, costs, host, sub_chunk=sub)
+    return _bf16_ideal(cluster, numel) / p.seconds
+
+
+def _first_win(
+    c: str, schedule: str, cluster: Cluster, costs: Any, host: Host, sizes: list[float], sub: int
+) -> float | None:
+    """The smallest of ``sizes`` at which ``c`` beats bf16, by bisection: a larger bucket
+    spreads the same per-call and per-message overheads over more bytes, so the speed-up
+    grows with the size (checked at the ends: None if it does not win at the largest)."""
+    if not sizes or _speedup(c, schedule, cluster, costs, host, sizes[-1], sub) <= 1.0:
+        return None
+    lo, hi = -1, len(sizes) - 1  # sizes[hi] wins; sizes[lo] (lo >= 0) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _speedup(c, schedule, cluster, costs, host, sizes[mid], sub) > 1.0:
+            hi = mid
+        else:
+            lo = mid
+    return sizes[hi]
 
 
 def break_even(
@@ -183,6 +208,7 @@ def break_even(
     size_mib: float = 64.0,
     schedule: str = "ring",
     sizes_mib: Sequence[float] = _SIZES_MIB,
+    sub_chunk: int = 1 << 18,
 ) -> list[dict[str, Any]]:
     """For H100/H200 × 100/400 Gb/s InfiniBand × NVLink 4: each codec's speed-up over an
     α-β bf16 ring at ``size_mib``, and the smallest bucket of ``sizes_mib`` from which it is
@@ -196,16 +222,15 @@ def break_even(
             host = gpu_host()
             for c in codecs:
                 costs = table.get(c)
-                wins = next(
-                    (m for m in sizes_mib if _speedup(c, schedule, cluster, costs, host, m) > 1),
-                    None,
-                )
+                wins = _first_win(c, schedule, cluster, costs, host, sorted(sizes_mib), sub_chunk)
                 rows.append(
                     {
                         "device": device,
                         "link": link_name,
                         "codec": c,
-                        "speedup_vs_bf16": _speedup(c, schedule, cluster, costs, host, size_mib),
+                        "speedup_vs_bf16": _speedup(
+                            c, schedule, cluster, costs, host, size_mib, sub_chunk
+                        ),
                         "beats_bf16_from_mib": wins,
                     }
                 )

@@ -187,7 +187,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             call_overhead_us=args.call_overhead_us,
             cores=args.cores,
         )
-        table = break_even(codecs, args.ranks, args.size_mib) if args.break_even else None
+        table = (
+            break_even(codecs, args.ranks, args.size_mib, sub_chunk=args.sub_chunk)
+            if args.break_even
+            else None
+        )
     except (ValueError, KeyError, UnknownCodecError) as exc:
         return _fail(str(exc).strip("'\""))
     if table is not None:

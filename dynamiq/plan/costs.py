@@ -245,7 +245,16 @@ def _from_calibration(data: dict[str, Any], source: str) -> KernelTable:
             source=source or "calibration",
         )
     bw = data.get("copy_bandwidth_GBps")
-    return KernelTable(costs, float(bw) * 1e9 if bw else None, 0.0, data.get("device", ""), source)
+    add = _cost(data["add"]) if data.get("add") else Cost()
+    return KernelTable(
+        costs,
+        float(bw) * 1e9 if bw else None,
+        0.0,
+        data.get("device", ""),
+        source,
+        add,
+        int(data.get("procs", 1)),
+    )
 
 
 def _from_bench_kernels(rows: list[dict[str, Any]], source: str) -> KernelTable:
@@ -267,8 +276,10 @@ def _from_gpu_check(run: dict[str, Any], source: str) -> KernelTable:
     costs = {}
     overheads = []
     for name, row in timing["codecs"].items():
-        host, dev = float(row["fused_seconds"]), row.get("fused_device_seconds")
-        # the host's share of a call (launches, the error check's sync): host - device time
+        # calls back to back, as the engine makes them: the burst's time per call; its
+        # excess over the device time is the host's share of a call (launches, syncs)
+        host = float(row.get("fused_burst_seconds") or row["fused_seconds"])
+        dev = row.get("fused_device_seconds")
         over = max(0.0, host - float(dev)) if dev else 0.0
         overheads.append(over)
         costs[name] = table_from_reduce(name, host, numel, over, source or "gpu_check")

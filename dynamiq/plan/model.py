@@ -159,6 +159,7 @@ class _Msg:
     src: int
     dst: int
     nbytes: int
+    exact: bool = True  # the size is known before it arrives (else a length header first)
     issued: float | None = None
     posted: float | None = None
     end: float | None = None  # last byte serialised (the send completes)
@@ -214,10 +215,15 @@ def simulate(
     _, pieces = chunk_layout(numel, sched, c, sub_chunk)
     key = json_key(c)
 
+    memo: dict[int, CodecCost] = {}
+
     def cost_of(cc: Any) -> CodecCost:
-        if json_key(cc) == key or intra_costs is None:
-            return costs
-        return intra_costs(cc)
+        if id(cc) not in memo:
+            if intra_costs is None or cc is c or json_key(cc) == key:
+                memo[id(cc)] = costs
+            else:
+                memo[id(cc)] = intra_costs(cc)
+        return memo[id(cc)]
 
     # every message of the run, matched (sender's k-th send to dst in round order == the
     # receiver's k-th receive from src), created up front
@@ -230,7 +236,7 @@ def simulate(
                 for j, (a, b) in enumerate(pieces[op.chunk]):
                     nb, ex = _piece_bytes(op.codec, a, b, op.ctx)
                     exact &= ex
-                    msgs[(r, rnd.send_to, k, op.chunk, j)] = _Msg(r, rnd.send_to, nb)
+                    msgs[(r, rnd.send_to, k, op.chunk, j)] = _Msg(r, rnd.send_to, nb, ex)
     net = _Net(cluster)
     clocks = [0.0] * n
     phases = [dict.fromkeys(PHASES, 0.0) for _ in range(n)]
@@ -249,11 +255,7 @@ def simulate(
         decode_cost: dict[int, CodecCost] = {}
 
         def fixed(k: int) -> bool:
-            return all(
-                op.codec.encoded_nbytes(b - a, op.ctx) is not None
-                for op in rp[k].recvs
-                for a, b in pieces[op.chunk]
-            )
+            return all(msg.exact for *_, msg in recv_list(k))
 
         def recv_list(k: int) -> list[tuple[Any, int, int, _Msg]]:
             rnd = rp[k]
@@ -356,7 +358,9 @@ def simulate(
                         yield ("cpu", (t * slow, "decode"))
 
     _run(proc, n, clocks, phases, net)
-    sent, _ = wire_bytes(c, sched, n, numel, sub_chunk)
+    sent = [prologue_bytes(c, n, numel)] * n
+    for m in msgs.values():
+        sent[m.src] += m.nbytes
     carried = 2 * (n - 1) / n * numel
     mean_sent = sum(sent) / n
     return Prediction(
