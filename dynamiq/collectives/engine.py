@@ -124,7 +124,7 @@ class _Timer:
 
 
 def _group_size(codec: Codec) -> int:
-    return max(codec.block_size, 32)
+    return max(codec.bound_block, 32)  # a NaN/Inf spoils the bounds of its bound_block only
 
 
 def _pack_bound(bound: torch.Tensor, group: int) -> torch.Tensor:
