@@ -163,24 +163,31 @@ class DynamiqState:
     # -- checkpoints ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Error-feedback residuals and the step counter, for checkpoints."""
+        """Error-feedback residuals (unscaled, fp32, one per bucket index), the step counter,
+        and what :meth:`load_state_dict` checks them against: the codec, world size, rank
+        and bucket layout (``{index: numel}``)."""
         with self._lock:
             return {
                 "iter": self.iter,
                 "codec": self.codec.get_config(),
+                "world_size": self.transport.world_size,
+                "rank": self.transport.rank,
+                "buckets": {k: v.numel() for k, v in self.residuals.items()},
                 "residuals": {k: v.clone() for k, v in self.residuals.items()},
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (the codec must match the saved one)."""
-        if get_codec(state["codec"]) != self.codec:
-            raise ValueError(
-                f"checkpoint was made with codec {state['codec']}, this state uses "
-                f"{self.codec.get_config()}"
-            )
+        """Restore :meth:`state_dict`. Raises ``ValueError`` naming the mismatch unless the
+        checkpoint was made with the same codec, world size and rank, its residuals are
+        1-D fp32 and finite and match its bucket layout, and (if this state has residuals
+        already) the layout is this state's. (Checkpoints without ``world_size``, ``rank``
+        or ``buckets`` entries skip those checks.)"""
+        _check_checkpoint(self, state)
         with self._lock:
             self.iter = int(state["iter"])
             self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
+            self._pending = {}
+            self._step_nonfinite = False
 
     # -- error feedback --------------------------------------------------------------------
 
@@ -239,6 +246,71 @@ class DynamiqState:
             rec["buckets"] += 1
             for k, v in info["seconds"].items():
                 rec["seconds"][k] = rec["seconds"].get(k, 0.0) + v
+
+
+def _check_checkpoint(owner: DynamiqState, state: dict[str, Any]) -> None:
+    """The checks of :meth:`DynamiqState.load_state_dict` (``ValueError`` naming the first
+    mismatch)."""
+    if not isinstance(state, dict) or not {"iter", "codec", "residuals"} <= state.keys():
+        raise ValueError("not a DynamiqState checkpoint: needs 'iter', 'codec' and 'residuals'")
+    if get_codec(state["codec"]) != owner.codec:
+        raise ValueError(
+            f"checkpoint was made with codec {state['codec']}, this state uses "
+            f"{owner.codec.get_config()}"
+        )
+    here = {"world_size": owner.transport.world_size, "rank": owner.transport.rank}
+    for key, value in here.items():
+        if key in state and state[key] != value:
+            raise ValueError(f"checkpoint was made with {key} {state[key]}, this state has {value}")
+    if isinstance(state["iter"], bool) or not isinstance(state["iter"], int) or state["iter"] < 0:
+        raise ValueError(f"checkpoint iter must be an int >= 0 (got {state['iter']!r})")
+    residuals = state["residuals"]
+    _check_residuals(residuals)
+    layout = _check_layout(state.get("buckets"), residuals)
+    with owner._lock:
+        mine = {k: v.numel() for k, v in owner.residuals.items()}
+    if mine and mine != {int(k): n for k, n in layout.items()}:
+        raise ValueError(
+            f"checkpoint bucket layout {_layout_text(layout)} differs from this state's "
+            f"{_layout_text(mine)} (other model, bucket_cap_mb or DDP options?)"
+        )
+
+
+def _check_residuals(residuals: dict[Any, Any]) -> None:
+    """Each residual of a checkpoint is a finite 1-D float32 tensor."""
+    for k, v in residuals.items():
+        where = f"checkpoint residual of bucket {k}"
+        if not isinstance(v, torch.Tensor) or v.dtype != torch.float32 or v.dim() != 1:
+            got = f"{v.dtype} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"{where} must be a 1-D float32 tensor (got {got})")
+        bad = int((~torch.isfinite(v)).sum())
+        if bad:
+            raise ValueError(f"{where} has {bad} non-finite values (NaN or Inf)")
+
+
+def _check_layout(layout: dict[Any, int] | None, residuals: dict[Any, Any]) -> dict[Any, int]:
+    """The checkpoint's bucket layout (an older checkpoint's residuals are its layout),
+    checked against its residuals."""
+    if layout is None:
+        layout = {k: v.numel() for k, v in residuals.items()}
+    if set(layout) != set(residuals):
+        raise ValueError(
+            f"checkpoint bucket layout lists buckets {sorted(layout)}, its residuals "
+            f"{sorted(residuals)}"
+        )
+    for k, v in residuals.items():
+        if v.numel() != layout[k]:
+            raise ValueError(
+                f"checkpoint residual of bucket {k} has {v.numel()} values, its bucket layout "
+                f"says {layout[k]}"
+            )
+    return layout
+
+
+def _layout_text(layout: dict[Any, Any]) -> str:
+    items = sorted((int(k), n) for k, n in layout.items())
+    text = ", ".join(f"{k}: {n}" for k, n in items[:6])
+    return "{" + text + (", ..." if len(items) > 6 else "") + "}"
 
 
 def dynamiq_hook(

@@ -185,6 +185,13 @@ class Codec:
         raise NotImplementedError
 
     @property
+    def bound_block(self) -> int:
+        """Elements (aligned like blocks) outside of which a NaN/±Inf never spoils a finite
+        element's bound (default: the block); the engine sends multi-hop bounds per
+        ``max(bound_block, 32)`` values."""
+        return self.block_size
+
+    @property
     def max_input_abs(self) -> float:
         """Largest finite ``|x|`` the codec encodes; beyond it ``encode`` raises ``ValueError``."""
         return FP32_MAX

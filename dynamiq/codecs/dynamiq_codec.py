@@ -259,15 +259,22 @@ class DynamiqCodec(Codec):
     nearest level (nearest) or the largest level gap (stochastic, correlated)::
 
         w = 0:  |x̂ - x| <= absmax_g
-        w > 0:  |x̂ - x| <= s · (m_w + 2^-22)
+        w > 0:  |x̂ - x| <= s · (m_w + 2^-22) + 2^-149
 
-    (the ``2^-22`` covers the fp32 rounding of ``x / s`` and of ``level · s``).
+    (the ``2^-22`` covers the fp32 rounding of ``x / s`` and of ``level · s`` relative to
+    ``s``; ``2^-149``, fp32's smallest subnormal, the absolute rounding of ``level · s`` where
+    it is subnormal, whose spacing is fixed: a constant block of ``2^-133`` errs by
+    ``3.51025e-42``, more than ``s · (m_w + 2^-22) = 3.50970e-42``). Elements of a super-group
+    holding NaN or ±Inf have no bound (``inf``: they decode to NaN); the others keep theirs.
     """
 
     codec_id: ClassVar[str] = "dynamiq"
     nonfinite: ClassVar[str] = (
         "A super-group holding NaN or ±Inf gets a NaN scale and decodes to NaN."
     )
+
+    #: the absolute term of the bound (fp32's smallest subnormal; a ClassVar, not config)
+    _bound_abs: ClassVar[float] = 2.0**-149
 
     bits: float = 4.7
     span: int = 65536
@@ -303,6 +310,10 @@ class DynamiqCodec(Codec):
     @property
     def block_size(self) -> int:
         return self.span
+
+    @property
+    def bound_block(self) -> int:
+        return self.super_group  # a NaN/Inf super-group is dead; the others keep their bounds
 
     def _levels(self, width: int) -> torch.Tensor:
         """The level table of a width; for stochastic and correlated rounding stretched to
@@ -702,8 +713,11 @@ class DynamiqCodec(Codec):
                 s_fin = torch.where(torch.isfinite(s_sg), s_sg, 0.0)
                 w = self._widths_rows(s_fin, e, length, budget)
                 s_g = self._group_scale(self._per_group(s_sg), e).double()
-                b = torch.where(w == 0, a_g.double(), s_g * (units[w] + 2.0**-22))
-                b = torch.where(torch.isfinite(b), b, torch.inf)
+                b = s_g * (units[w] + 2.0**-22) + self._bound_abs
+                b = torch.where(w == 0, a_g.double(), b)
+                # a super-group holding NaN/Inf decodes to NaN: no bound there, and only there
+                lost = self._per_group(~torch.isfinite(s_sg))
+                b = torch.where(torch.isfinite(b) & ~lost, b, torch.inf)
                 vals = b.unsqueeze(2).expand(m, b.shape[1], g).reshape(m, -1)[:, :length]
                 a = first * self.span
                 out[a : a + m * length] = vals.reshape(-1)
@@ -723,7 +737,8 @@ class DynamiqCodec(Codec):
             return x.float()
 
         formula = (
-            "s·(m_w + 2^-22) (w > 0), absmax_g (w = 0); s = S·2^-e, w from the span's scale codes"
+            "s·(m_w + 2^-22) + 2^-149 (w > 0), absmax_g (w = 0); s = S·2^-e, w from the span's "
+            "scale codes"
         )
         return ErrorBound(
             formula=formula, unbiased=stochastic, max_abs=max_abs, witness=witness, var=None

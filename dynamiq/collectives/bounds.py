@@ -12,7 +12,7 @@ exact sum of the gradients it holds (``β = 0`` for a rank's own gradient). Two 
 These are the functions the engine composes its bounds with (:mod:`dynamiq.collectives.engine`),
 so a custom collective that uses them gets the engine's bound on the same path, bit for bit.
 
-On the wire a bound travels beside its payload as one fp64 per group of ``max(block_size, 32)``
+On the wire a bound travels beside its payload as one fp64 per group of ``max(bound_block, 32)``
 elements, the group's maximum (:func:`pack_bound`, :func:`unpack_bound`): the receiver keeps
 what it got, so every rank ends with the same bound.
 """
@@ -74,8 +74,9 @@ def encoding_bound(
 
 
 def group_size(codec: Codec) -> int:
-    """Elements per fp64 of a bound on the wire."""
-    return max(codec.block_size, 32)
+    """Elements per fp64 of a bound on the wire (a NaN/Inf spoils the bounds of its
+    ``bound_block`` only)."""
+    return max(codec.bound_block, 32)
 
 
 def num_groups(numel: int, codec: Codec) -> int:

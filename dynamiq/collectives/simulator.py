@@ -300,7 +300,7 @@ class _Sim:
 
     def pack(self, sent: list[_Enc]) -> None:
         """Give each sent encoding's bound the value its receiver gets: the maximum of each
-        group of ``max(block_size, 32)`` elements of each sub-chunk (as the engine sends it)."""
+        group of ``max(bound_block, 32)`` elements of each sub-chunk (as the engine sends it)."""
         if self.beta is None:
             return
         by_group: dict[int, list[_Enc]] = {}

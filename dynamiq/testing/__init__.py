@@ -25,7 +25,7 @@ from .conformance import (
     run_conformance,
 )
 from .golden import check_golden, write_golden
-from .strategies import codec_inputs, finite_tensors, hop_contexts
+from .strategies import codec_inputs, edge_tensors, finite_tensors, hop_contexts
 
 __all__ = [
     "check_bad_input",
@@ -38,6 +38,7 @@ __all__ = [
     "check_roundtrip",
     "check_unbiased",
     "codec_inputs",
+    "edge_tensors",
     "finite_tensors",
     "hop_contexts",
     "run_conformance",

@@ -9,7 +9,8 @@ Plugin authors run it on their own codecs::
 Each ``check_*`` function raises ``AssertionError`` with a message naming the codec and the
 failing input. The Hypothesis-driven checks draw inputs from :mod:`dynamiq.testing.strategies`
 (shapes including empty, one and block remainders; magnitudes from subnormal to huge; zeros;
-mixed signs; fp32/bf16/fp16).
+mixed signs; fp32/bf16/fp16; and, half of them, inputs aimed at rounding ties, scale
+boundaries, subnormal powers of two and the bound's witness moved there: ``edge_tensors``).
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ def check_reduce(
 
 def check_nonfinite(codec: Codec) -> None:
     """NaN/±Inf follow the declared policy: never a silent finite value at their position;
-    blocks without non-finite values are unaffected."""
+    blocks without non-finite values are unaffected, and so are the bounds of values outside
+    the codec's ``bound_block`` around them (a value that decodes to NaN has bound ``inf``)."""
     b = codec.block_size
     n = 4 * b + 3
     x = torch.linspace(-3, 5, n, dtype=torch.float32)
@@ -162,6 +164,24 @@ def check_nonfinite(codec: Codec) -> None:
     ref = codec.decode(codec.encode(xs), n)
     assert torch.equal(y[clean], ref[clean]), f"{codec!r}: a NaN/Inf leaked into clean blocks"
     assert bool(torch.isfinite(y[clean]).all())
+    # the bound: finite and sound outside the bound blocks of the NaN/Inf, and never finite
+    # where a finite input decoded to a non-finite value
+    bound = codec.error_bound.max_abs_error(x)
+    bb = codec.bound_block
+    far = torch.ones(n, dtype=torch.bool)
+    for i in specials:
+        far[i // bb * bb : i // bb * bb + bb] = False
+    assert bool(torch.isfinite(bound[far]).all()), (
+        f"{codec!r}: a NaN/Inf spoiled the bound of finite values outside its "
+        f"{bb}-value bound block"
+    )
+    err = (y.double() - x.double()).abs()
+    bad = far & ~(err <= bound)
+    assert not bool(bad.any()), f"{codec!r}: bound violated next to a NaN/Inf at {bad.nonzero()[0]}"
+    lost = torch.isfinite(x) & ~torch.isfinite(y)
+    assert not bool(torch.isfinite(bound[lost]).any()), (
+        f"{codec!r}: a finite bound for values that decode to NaN/Inf"
+    )
 
 
 def check_bad_input(codec: Codec) -> None:

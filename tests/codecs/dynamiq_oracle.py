@@ -224,8 +224,9 @@ class DynamiqOracle:
             )
             s_g = self._group_scale(s_sg.repeat_interleave(per_sg)[: e.numel()], e).double()
             unit = torch.tensor(units, dtype=torch.float64, device=x.device)[w]
-            b = torch.where(w == 0, a_g.double(), s_g * (unit + 2.0**-22))
-            b = torch.where(torch.isfinite(b), b, torch.inf)
+            b = torch.where(w == 0, a_g.double(), s_g * (unit + 2.0**-22) + 2.0**-149)
+            lost = ~torch.isfinite(s_sg).repeat_interleave(per_sg)[: e.numel()]
+            b = torch.where(torch.isfinite(b) & ~lost, b, torch.inf)
             out[a : a + n] = b.repeat_interleave(g)[:n]
         return out
 
