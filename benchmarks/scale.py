@@ -142,7 +142,7 @@ def report(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['ranks']} | {r['schedule']} | `{r['codec']}` | {r['vnmse']:.3g} | {pred} | "
             f"{r['bits_per_value']:.3f} | {r['round_balance']:.2f} | "
-            f"{r['seconds']:.0f} ({r['cpu_seconds']:.0f}) |"
+            f"{r['seconds']:.0f} ({r['cpu_seconds']:.1f}) |"
         )
     return "\n".join(lines)
 

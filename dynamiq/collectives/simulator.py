@@ -5,7 +5,7 @@ computes on every rank, bit for bit (outputs, certified bounds, bytes), without 
 mailboxes: it walks the plan round by round (:class:`~dynamiq.collectives.planning.Plan`,
 made lazily, in memory linear in ranks × chunks) and, in each round, encodes the values of all
 ranks that one codec encodes with contexts that codec does not tell apart in **one** call on
-their concatenation (see :func:`batch_key`). That is exact because
+their concatenation (see :func:`batch_fields`). That is exact because
 
 * every chunk is a whole number of the codec's blocks, aligned to global offsets (the
   engine's cut, :func:`~dynamiq.collectives.planning.chunk_layout`), and these codecs encode
@@ -48,7 +48,7 @@ from .planning import CtxKey, Plan, chunk_layout
 from .schedules import Schedule
 from .transport import LocalCluster, run_threads
 
-__all__ = ["SimRun", "batch_key", "simulate_schedule"]
+__all__ = ["SimRun", "batch_fields", "simulate_schedule"]
 
 #: codec classes (exactly these, not subclasses) whose encode, decode, size and bound read
 #: no field of the HopContext
@@ -65,12 +65,12 @@ _CONTEXT_FREE = (
 )
 
 
-def batch_key(codec: Codec, ctx: HopContext) -> Hashable | None:
-    """The fields of ``ctx`` that ``codec`` reads, as a key (encodings with equal keys may
-    share one call on their concatenated chunks), or ``None``: this codec is called per rank.
+def batch_fields(codec: Codec) -> tuple[str, ...] | None:
+    """The :class:`HopContext` fields that ``codec`` reads (encodings that agree on them may
+    share one call on their concatenated chunks), or ``None``: it is called per rank.
 
     INT with nearest rounding reads none (stochastic rounding hashes rank and offset); DynamiQ
-    with nearest rounding reads ``hop``/``num_hops`` when ``hop_slope`` moves its budget.
+    with nearest rounding reads ``hop`` and ``num_hops`` when ``hop_slope`` moves its budget.
     """
     cls = type(codec)
     if callable(getattr(codec, "prologue", None)):
@@ -82,8 +82,12 @@ def batch_key(codec: Codec, ctx: HopContext) -> Hashable | None:
     if cls is DynamiqCodec:
         if codec.rounding != "nearest":  # type: ignore[attr-defined]
             return None
-        return () if codec.hop_slope == 0 else (ctx.hop, ctx.num_hops)  # type: ignore[attr-defined]
+        return () if codec.hop_slope == 0 else ("hop", "num_hops")  # type: ignore[attr-defined]
     return None
+
+
+#: where each field batch_fields names sits in a compact context (planning.CtxKey)
+_KEY_POS = {"hop": 0, "num_hops": 1, "rank": 2, "contributions": 3}
 
 
 @dataclass
@@ -157,6 +161,12 @@ class _Sim:
         self.group = [0] * n  # ranks with equal prologue results decode alike
         self._ctx: dict[tuple[CtxKey, int, int], HopContext] = {}
         self._nbytes: dict[tuple[int, Hashable, int], int] = {}
+        self._fields = [batch_fields(c) for c in self.codecs]
+
+    def batch_key(self, ci: int, key: CtxKey) -> Hashable | None:
+        """What encodings with codec ``ci`` must agree on to share a call (``None``: never)."""
+        fields = self._fields[ci]
+        return None if fields is None else tuple(key[_KEY_POS[f]] for f in fields)
 
     # -- contexts and sizes -----------------------------------------------------------------
 
@@ -218,12 +228,11 @@ class _Sim:
     # -- encoding ----------------------------------------------------------------------------
 
     def encode(self, items: list[_Item]) -> list[_Enc]:
-        """Encode ``items``: batched calls where :func:`batch_key` allows, else per rank."""
+        """Encode ``items``: batched calls where :func:`batch_fields` allows, else per rank."""
         out: list[_Enc | None] = [None] * len(items)
         batches: dict[tuple[int, Hashable], list[int]] = {}
         for i, it in enumerate(items):
-            codec = self.codecs[it.ci]
-            bkey = batch_key(codec, self.plan.context(it.key))
+            bkey = self.batch_key(it.ci, it.key)
             if bkey is None:
                 out[i] = self.encode_alone(it)
             else:
@@ -405,8 +414,7 @@ class _Sim:
                 self.state[r][ch] = None
                 continue
             assert out is not None
-            codec = self.codecs[ci]
-            alone = batch_key(codec, self.plan.context(out)) is None
+            alone = self.batch_key(ci, out) is None
             fused = (msg, lv, key) if alone else None
             items.append(_Item(r, ch, v, base, ci, out, fused))
         self.tick("reduce", t)
