@@ -30,23 +30,14 @@ def _rate_bps(rate: str | float) -> float:
     return float(parse_rate(rate))
 
 
-def resolve(
-    ranks: int,
-    *,
-    profile: str = "emulated",
-    rate: str | float | None = None,
-    latency_us: float | None = None,
-    efficiency: float | None = None,
-    ranks_per_node: int = 1,
-    intra_profile: str = "nvlink4",
-    device: str | None = None,
-    kernel_table: str | None = None,
-    network_table: str | None = None,
-    mem_bw_gbps: float | None = None,
-    call_overhead_us: float | None = None,
-    cores: int | None = None,
-) -> Setup:
-    """The cluster, kernel table and host a prediction uses, and where each came from."""
+def _check(
+    profile: str,
+    intra_profile: str,
+    device: str | None,
+    cores: int | None,
+    mem_bw_gbps: float | None,
+    call_overhead_us: float | None,
+) -> None:
     if profile not in LINKS:
         raise ValueError(f"unknown profile {profile!r} (known: {', '.join(LINKS)})")
     if intra_profile not in LINKS or intra_profile == "emulated":
@@ -61,7 +52,16 @@ def resolve(
         raise ValueError(f"memory bandwidth must be positive (got {mem_bw_gbps} GB/s)")
     if call_overhead_us is not None and not call_overhead_us >= 0:
         raise ValueError(f"call overhead must be >= 0 us (got {call_overhead_us})")
-    device = device or ("cpu" if profile == "emulated" else "h200")
+
+
+def _inter_link(
+    profile: str,
+    rate: str | float | None,
+    latency_us: float | None,
+    efficiency: float | None,
+    network_table: str | None,
+) -> tuple[Link, dict[str, Any]]:
+    """The link between nodes, and the emulated link's calibration (empty for a named one)."""
     calib: dict[str, Any] = {}
     if profile == "emulated":
         link, calib = emulated_link(
@@ -88,35 +88,79 @@ def resolve(
             link.source + ", overridden",
             link.shared_efficiency if efficiency is None else efficiency,
         )
-    intra = named_link(intra_profile) if ranks_per_node > 1 else None
-    cluster = Cluster(ranks, link, ranks_per_node, intra)
+    return link, calib
+
+
+def _kernel_table(
+    device: str,
+    kernel_table: str | None,
+    mem_bw_gbps: float | None,
+    call_overhead_us: float | None,
+) -> KernelTable:
     if mem_bw_gbps is not None:
-        table = KernelTable(
+        return KernelTable(
             {},
             mem_bw_gbps * 1e9,
             (call_overhead_us or 0.0) * 1e-6,
             device,
             f"roofline {mem_bw_gbps:g} GB/s",
         )
-    else:
-        table = device_table(device, kernel_table)
-        if call_overhead_us is not None:
-            table.overhead = call_overhead_us * 1e-6
-    if device == "cpu":
-        n_cores = cores or os.cpu_count() or 1
-        # ranks per machine: the emulated cluster puts every rank on this one
-        on_host = ranks if profile == "emulated" else ranks_per_node
-        # a table timed by P processes at once already has their sharing of the cores in it
-        shared = max(1.0, on_host / n_cores) / max(1.0, table.procs / n_cores)
-        host = Host(
-            send=Cost(0.0, float(calib.get("send_per_byte_s", 0.0))),
-            add=table.add,
-            cpu_slowdown=max(1.0, shared),
-            lookahead=True,
-            source=f"CPU engine: rounds overlap; {on_host} ranks on {n_cores} cores",
-        )
-    else:
-        host = gpu_host()
+    table = device_table(device, kernel_table)
+    if call_overhead_us is not None:
+        table.overhead = call_overhead_us * 1e-6
+    return table
+
+
+def _host(
+    device: str,
+    table: KernelTable,
+    calib: dict[str, Any],
+    ranks: int,
+    profile: str,
+    ranks_per_node: int,
+    cores: int | None,
+) -> Host:
+    if device != "cpu":
+        return gpu_host()
+    n_cores = cores or os.cpu_count() or 1
+    # ranks per machine: the emulated cluster puts every rank on this one
+    on_host = ranks if profile == "emulated" else ranks_per_node
+    # a table timed by P processes at once already has their sharing of the cores in it
+    shared = max(1.0, on_host / n_cores) / max(1.0, table.procs / n_cores)
+    return Host(
+        send=Cost(0.0, float(calib.get("send_per_byte_s", 0.0))),
+        add=table.add,
+        cpu_slowdown=max(1.0, shared),
+        lookahead=True,
+        source=f"CPU engine: rounds overlap; {on_host} ranks on {n_cores} cores",
+    )
+
+
+# the keyword arguments are predict's (and the CLI's) user-facing options, passed through
+def resolve(  # noqa: PLR0913
+    ranks: int,
+    *,
+    profile: str = "emulated",
+    rate: str | float | None = None,
+    latency_us: float | None = None,
+    efficiency: float | None = None,
+    ranks_per_node: int = 1,
+    intra_profile: str = "nvlink4",
+    device: str | None = None,
+    kernel_table: str | None = None,
+    network_table: str | None = None,
+    mem_bw_gbps: float | None = None,
+    call_overhead_us: float | None = None,
+    cores: int | None = None,
+) -> Setup:
+    """The cluster, kernel table and host a prediction uses, and where each came from."""
+    _check(profile, intra_profile, device, cores, mem_bw_gbps, call_overhead_us)
+    device = device or ("cpu" if profile == "emulated" else "h200")
+    link, calib = _inter_link(profile, rate, latency_us, efficiency, network_table)
+    intra = named_link(intra_profile) if ranks_per_node > 1 else None
+    cluster = Cluster(ranks, link, ranks_per_node, intra)
+    table = _kernel_table(device, kernel_table, mem_bw_gbps, call_overhead_us)
+    host = _host(device, table, calib, ranks, profile, ranks_per_node, cores)
     sources = {
         "link": asdict(link),
         "intra_link": asdict(intra) if intra else None,

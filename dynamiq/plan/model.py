@@ -189,6 +189,209 @@ class _Net:
 
 
 _Step = tuple[str, Any]  # ("cpu", (seconds, phase)) | ("send", msg) | ("post", msg) | ("wait", …)
+_Recv = tuple[Any, int, int, _Msg]  # (recv op, piece index, piece values, message)
+_Send = tuple[Any, int, int, int]  # (send op, piece index, piece values, input position)
+
+
+class _CostOf:
+    """The kernel costs of a schedule step's codec: the run's own ``costs`` for its codec,
+    ``intra_costs(codec)`` for another (memoised by identity)."""
+
+    def __init__(
+        self, c: Any, key: str, costs: CodecCost, intra: Callable[[Any], CodecCost] | None
+    ):
+        self.c, self.key, self.costs, self.intra = c, key, costs, intra
+        self.memo: dict[int, CodecCost] = {}
+
+    def __call__(self, cc: Any) -> CodecCost:
+        if id(cc) not in self.memo:
+            if self.intra is None or cc is self.c or json_key(cc) == self.key:
+                self.memo[id(cc)] = self.costs
+            else:
+                self.memo[id(cc)] = self.intra(cc)
+        return self.memo[id(cc)]
+
+
+@dataclass
+class _Sim:
+    """What every rank's process shares: the plan, the layout, the messages, the clocks."""
+
+    c: Any
+    sched: Any
+    plan: Any
+    pieces: Any
+    msgs: dict[tuple[Any, ...], _Msg]  # (src, dst, round, chunk, piece)
+    cluster: Cluster
+    costs: CodecCost
+    host: Host
+    numel: int
+    cost_of: _CostOf
+    clocks: list[float]
+    rounds: list[dict[str, float]] = field(default_factory=list)
+
+
+def _make_msgs(plan: Any, pieces: Any, n: int) -> tuple[dict[tuple[Any, ...], _Msg], bool]:
+    """Every message of the run, matched (sender's k-th send to dst in round order == the
+    receiver's k-th receive from src), created up front; and whether all sizes are exact."""
+    msgs: dict[tuple[Any, ...], _Msg] = {}
+    exact = True
+    for r in range(n):
+        for k, rnd in enumerate(plan[r]):
+            for op in rnd.sends:
+                assert rnd.send_to is not None
+                for j, (a, b) in enumerate(pieces[op.chunk]):
+                    nb, ex = _piece_bytes(op.codec, a, b, op.ctx)
+                    exact &= ex
+                    msgs[(r, rnd.send_to, k, op.chunk, j)] = _Msg(r, rnd.send_to, nb, ex)
+    return msgs, exact
+
+
+class _Rank:
+    """One rank's process: a generator of :data:`_Step` in the engine's order."""
+
+    def __init__(self, sim: _Sim, r: int):
+        self.sim, self.r = sim, r
+        self.rp = sim.plan[r]
+        self.slow = sim.host.cpu_slowdown
+        self.encoded = [False] * sim.sched.num_chunks
+        self.last_recv: dict[int, int] = {}
+        for k, rnd in enumerate(self.rp):
+            for op in rnd.recvs:
+                self.last_recv[op.chunk] = k
+        self.deferred: list[tuple[int, int]] = []  # (round, piece values)
+        self.decoded: set[tuple[int, int]] = set()
+        self.decode_cost: dict[int, CodecCost] = {}
+        self.posted: dict[int, list[_Recv]] = {}
+        self.early: tuple[list[_Send], int] | None = None
+
+    def fixed(self, k: int) -> bool:
+        return all(msg.exact for *_, msg in self.recv_list(k))
+
+    def recv_list(self, k: int) -> list[_Recv]:
+        rnd = self.rp[k]
+        out = []
+        for op in rnd.recvs:
+            for j, (a, b) in enumerate(self.sim.pieces[op.chunk]):
+                out.append((op, j, b - a, self.sim.msgs[(rnd.recv_from, self.r, k, op.chunk, j)]))
+        return out
+
+    def send_items(self, k: int, prev: list[Any]) -> list[_Send]:
+        where = {(op.chunk, j): i for i, (op, j, _, _) in enumerate(prev)}
+        return [
+            (sop, j, b - a, where.get((sop.chunk, j), -1))
+            for sop in self.rp[k].sends
+            for j, (a, b) in enumerate(self.sim.pieces[sop.chunk])
+        ]
+
+    def issue(self, k: int, items: list[_Send], pos: int, done: int) -> Generator[_Step, None, int]:
+        """Send round ``k``'s pieces from ``pos`` on whose input is ready (position <= done)."""
+        rnd = self.rp[k]
+        while pos < len(items) and items[pos][3] <= done:
+            sop, j, m, _ = items[pos]
+            pos += 1
+            cc = self.sim.cost_of(sop.codec)
+            if sop.encode:
+                t = cc.encode(m)
+                if self.encoded[sop.chunk]:  # an encoded local value (another codec's)
+                    t += self.decode_cost.get(sop.chunk, cc).decode(m)
+                yield ("cpu", (t * self.slow, "encode"))
+            msg = self.sim.msgs[(self.r, rnd.send_to, k, sop.chunk, j)]
+            yield ("cpu", (self.sim.host.send(msg.nbytes) * self.slow, "send"))
+            yield ("send", msg)
+        return pos
+
+    def run(self) -> Generator[_Step, None, None]:
+        yield from self.prologue()
+        for k in range(len(self.rp)):
+            yield from self.round(k)
+        yield from self.finish()
+
+    def prologue(self) -> Generator[_Step, None, None]:
+        sim, r = self.sim, self.r
+        if callable(getattr(sim.c, "prologue", None)):
+            yield ("cpu", (sim.costs.prologue(sim.numel) * self.slow, "prologue"))
+            # the all-gather of a few values: one latency out and one back, at least
+            n = sim.cluster.ranks
+            lat = max(sim.cluster.link(r, p).latency_s for p in range(n) if p != r)
+            yield ("cpu", (2 * lat, "prologue"))
+
+    def post_receives(self, k: int, ahead: bool) -> Generator[_Step, None, list[_Recv]]:
+        """Post round ``k``'s receives (unless posted a round ahead) and, looking ahead,
+        round ``k + 1``'s; returns round ``k``'s."""
+        if k in self.posted:
+            incoming = self.posted.pop(k)
+        else:
+            incoming = self.recv_list(k)
+            if self.fixed(k):
+                for *_, msg in incoming:
+                    yield ("post", msg)
+        if ahead and self.fixed(k) and self.fixed(k + 1):
+            self.posted[k + 1] = self.recv_list(k + 1)
+            for *_, msg in self.posted[k + 1]:
+                yield ("post", msg)
+        return incoming
+
+    def round(self, k: int) -> Generator[_Step, None, None]:
+        sim, rnd = self.sim, self.rp[k]
+        t_round = sim.clocks[self.r]
+        ahead = sim.host.lookahead and k + 1 < len(self.rp)
+        incoming = yield from self.post_receives(k, ahead)
+        items, pos = self.early if self.early is not None else (self.send_items(k, []), 0)
+        pos = yield from self.issue(k, items, pos, 1 << 62)
+        for sop in rnd.sends:
+            if sop.encode:
+                self.encoded[sop.chunk] = True
+                self.decode_cost[sop.chunk] = sim.cost_of(sop.codec)
+        nxt = self.send_items(k + 1, incoming) if ahead else None
+        npos = 0
+        if nxt is not None:
+            npos = yield from self.issue(k + 1, nxt, 0, -1)
+        for i, recv in enumerate(incoming):
+            yield from self.receive(k, recv)
+            if nxt is not None:
+                npos = yield from self.issue(k + 1, nxt, npos, i)
+        for op in rnd.recvs:
+            self.encoded[op.chunk] = op.mode != "keep"
+            self.decode_cost[op.chunk] = sim.cost_of(op.codec)
+        self.early = (nxt, npos) if nxt is not None else None
+        for sop in rnd.sends:
+            for j in range(len(sim.pieces[sop.chunk])):
+                yield ("wait_send", sim.msgs[(self.r, rnd.send_to, k, sop.chunk, j)])
+        if self.r == 0:
+            row = _round_row(k, t_round, sim.clocks[0], rnd, sim.msgs, 0, sim.pieces, sim.cluster)
+            sim.rounds.append(row)
+
+    def receive(self, k: int, recv: _Recv) -> Generator[_Step, None, None]:
+        """One received piece: a deferred decode first, the wait, then its reduce."""
+        op, j, m, msg = recv
+        if self.deferred and self.deferred[0][0] < k:
+            _, dm = self.deferred.pop(0)
+            yield ("cpu", (self.sim.cost_of(op.codec).decode(dm) * self.slow, "decode"))
+        if msg.posted is None:  # data-dependent size: header, then the payload
+            yield ("post", msg)
+        yield ("wait", msg)
+        cc = self.sim.cost_of(op.codec)
+        if op.mode == "fused":
+            t = cc.reduce(m) + (cc.decode(m) if self.encoded[op.chunk] else 0.0)
+            yield ("cpu", (t * self.slow, "reduce"))
+        elif op.mode == "keep":
+            t = cc.decode(m) + self.sim.host.add(m)
+            yield ("cpu", (t * self.slow, "reduce"))
+        if op.mode != "keep" and self.last_recv[op.chunk] == k:
+            self.deferred.append((k, m))
+            self.decoded.add((op.chunk, j))
+
+    def finish(self) -> Generator[_Step, None, None]:
+        """The deferred decodes, then every encoded piece not decoded yet."""
+        sim = self.sim
+        for _, dm in self.deferred:
+            yield ("cpu", (sim.costs.decode(dm) * self.slow, "decode"))
+        for ch in range(sim.sched.num_chunks):
+            if self.encoded[ch]:
+                for j, (a, b) in enumerate(sim.pieces[ch]):
+                    if (ch, j) not in self.decoded:
+                        t = self.decode_cost.get(ch, sim.costs).decode(b - a)
+                        yield ("cpu", (t * self.slow, "decode"))
 
 
 def simulate(
@@ -214,150 +417,12 @@ def simulate(
     plan = plan_schedule(sched, c)
     _, pieces = chunk_layout(numel, sched, c, sub_chunk)
     key = json_key(c)
-
-    memo: dict[int, CodecCost] = {}
-
-    def cost_of(cc: Any) -> CodecCost:
-        if id(cc) not in memo:
-            if intra_costs is None or cc is c or json_key(cc) == key:
-                memo[id(cc)] = costs
-            else:
-                memo[id(cc)] = intra_costs(cc)
-        return memo[id(cc)]
-
-    # every message of the run, matched (sender's k-th send to dst in round order == the
-    # receiver's k-th receive from src), created up front
-    msgs: dict[tuple[Any, ...], _Msg] = {}  # (src, dst, round, chunk, piece)
-    exact = True
-    for r in range(n):
-        for k, rnd in enumerate(plan[r]):
-            for op in rnd.sends:
-                assert rnd.send_to is not None
-                for j, (a, b) in enumerate(pieces[op.chunk]):
-                    nb, ex = _piece_bytes(op.codec, a, b, op.ctx)
-                    exact &= ex
-                    msgs[(r, rnd.send_to, k, op.chunk, j)] = _Msg(r, rnd.send_to, nb, ex)
-    net = _Net(cluster)
+    msgs, exact = _make_msgs(plan, pieces, n)
     clocks = [0.0] * n
     phases = [dict.fromkeys(PHASES, 0.0) for _ in range(n)]
-    rounds: list[dict[str, float]] = []
-    slow = host.cpu_slowdown
-
-    def proc(r: int) -> Generator[_Step, None, None]:
-        rp = plan[r]
-        encoded = [False] * sched.num_chunks
-        last_recv: dict[int, int] = {}
-        for k, rnd in enumerate(rp):
-            for op in rnd.recvs:
-                last_recv[op.chunk] = k
-        deferred: list[tuple[int, int]] = []  # (round, piece values)
-        decoded: set[tuple[int, int]] = set()
-        decode_cost: dict[int, CodecCost] = {}
-
-        def fixed(k: int) -> bool:
-            return all(msg.exact for *_, msg in recv_list(k))
-
-        def recv_list(k: int) -> list[tuple[Any, int, int, _Msg]]:
-            rnd = rp[k]
-            out = []
-            for op in rnd.recvs:
-                for j, (a, b) in enumerate(pieces[op.chunk]):
-                    out.append((op, j, b - a, msgs[(rnd.recv_from, r, k, op.chunk, j)]))
-            return out
-
-        def send_items(k: int, prev: list[Any]) -> list[tuple[Any, int, int, int]]:
-            where = {(op.chunk, j): i for i, (op, j, _, _) in enumerate(prev)}
-            return [
-                (sop, j, b - a, where.get((sop.chunk, j), -1))
-                for sop in rp[k].sends
-                for j, (a, b) in enumerate(pieces[sop.chunk])
-            ]
-
-        def issue(k: int, items: list[Any], pos: int, done: int) -> Generator[_Step, None, int]:
-            rnd = rp[k]
-            while pos < len(items) and items[pos][3] <= done:
-                sop, j, m, _ = items[pos]
-                pos += 1
-                cc = cost_of(sop.codec)
-                if sop.encode:
-                    t = cc.encode(m)
-                    if encoded[sop.chunk]:  # an encoded local value (another codec's)
-                        t += decode_cost.get(sop.chunk, cc).decode(m)
-                    yield ("cpu", (t * slow, "encode"))
-                msg = msgs[(r, rnd.send_to, k, sop.chunk, j)]
-                yield ("cpu", (host.send(msg.nbytes) * slow, "send"))
-                yield ("send", msg)
-            return pos
-
-        posted: dict[int, list[Any]] = {}
-        early: tuple[list[Any], int] | None = None
-        if callable(getattr(c, "prologue", None)):
-            yield ("cpu", (costs.prologue(numel) * slow, "prologue"))
-            # the all-gather of a few values: one latency out and one back, at least
-            lat = max(cluster.link(r, p).latency_s for p in range(n) if p != r)
-            yield ("cpu", (2 * lat, "prologue"))
-        for k, rnd in enumerate(rp):
-            t_round = clocks[r]
-            if k in posted:
-                incoming = posted.pop(k)
-            else:
-                incoming = recv_list(k)
-                if fixed(k):
-                    for *_, msg in incoming:
-                        yield ("post", msg)
-            ahead = host.lookahead and k + 1 < len(rp)
-            if ahead and fixed(k) and fixed(k + 1):
-                posted[k + 1] = recv_list(k + 1)
-                for *_, msg in posted[k + 1]:
-                    yield ("post", msg)
-            items, pos = early if early is not None else (send_items(k, []), 0)
-            pos = yield from issue(k, items, pos, 1 << 62)
-            for sop in rnd.sends:
-                if sop.encode:
-                    encoded[sop.chunk] = True
-                    decode_cost[sop.chunk] = cost_of(sop.codec)
-            nxt = send_items(k + 1, incoming) if ahead else None
-            npos = 0
-            if nxt is not None:
-                npos = yield from issue(k + 1, nxt, 0, -1)
-            for i, (op, j, m, msg) in enumerate(incoming):
-                if deferred and deferred[0][0] < k:
-                    _, dm = deferred.pop(0)
-                    yield ("cpu", (cost_of(op.codec).decode(dm) * slow, "decode"))
-                if msg.posted is None:  # data-dependent size: header, then the payload
-                    yield ("post", msg)
-                yield ("wait", msg)
-                cc = cost_of(op.codec)
-                if op.mode == "fused":
-                    t = cc.reduce(m) + (cc.decode(m) if encoded[op.chunk] else 0.0)
-                    yield ("cpu", (t * slow, "reduce"))
-                elif op.mode == "keep":
-                    t = cc.decode(m) + host.add(m)
-                    yield ("cpu", (t * slow, "reduce"))
-                if op.mode != "keep" and last_recv[op.chunk] == k:
-                    deferred.append((k, m))
-                    decoded.add((op.chunk, j))
-                if nxt is not None:
-                    npos = yield from issue(k + 1, nxt, npos, i)
-            for op in rnd.recvs:
-                encoded[op.chunk] = op.mode != "keep"
-                decode_cost[op.chunk] = cost_of(op.codec)
-            early = (nxt, npos) if nxt is not None else None
-            for sop in rnd.sends:
-                for j in range(len(pieces[sop.chunk])):
-                    yield ("wait_send", msgs[(r, rnd.send_to, k, sop.chunk, j)])
-            if r == 0:
-                rounds.append(_round_row(k, t_round, clocks[0], rnd, msgs, r, pieces, cluster))
-        for _, dm in deferred:
-            yield ("cpu", (costs.decode(dm) * slow, "decode"))
-        for ch in range(sched.num_chunks):
-            if encoded[ch]:
-                for j, (a, b) in enumerate(pieces[ch]):
-                    if (ch, j) not in decoded:
-                        t = decode_cost.get(ch, costs).decode(b - a)
-                        yield ("cpu", (t * slow, "decode"))
-
-    _run(proc, n, clocks, phases, net)
+    cost_of = _CostOf(c, key, costs, intra_costs)
+    sim = _Sim(c, sched, plan, pieces, msgs, cluster, costs, host, numel, cost_of, clocks)
+    _Runner([_Rank(sim, r).run() for r in range(n)], clocks, phases, _Net(cluster)).run()
     sent = [prologue_bytes(c, n, numel)] * n
     for m in msgs.values():
         sent[m.src] += m.nbytes
@@ -371,7 +436,7 @@ def simulate(
         bytes_sent_per_rank=mean_sent,
         exact_bytes=exact,
         phases={ph: sum(p[ph] for p in phases) / n for ph in PHASES},
-        rounds=rounds,
+        rounds=sim.rounds,
         per_rank_seconds=list(clocks),
     )
 
@@ -401,68 +466,77 @@ def _round_row(
     }
 
 
-def _run(
-    proc: Callable[[int], Generator[_Step, None, None]],
-    n: int,
-    clocks: list[float],
-    phases: list[dict[str, float]],
-    net: _Net,
-) -> None:
+class _Runner:
     """Advance the rank with the earliest clock, one step at a time; a rank waiting for a
     message not yet sent (or not yet on the wire) sleeps until it is."""
-    gens = [proc(r) for r in range(n)]
-    tie = itertools.count()
-    ready: list[tuple[float, int, int]] = [(0.0, next(tie), r) for r in range(n)]
-    blocked: dict[int, tuple[int, _Msg, str]] = {}  # id(msg) -> (rank, msg, kind)
-    pending: dict[int, _Msg] = {}  # issued or posted, not both yet
 
-    def wake(m: _Msg) -> None:
-        b = blocked.pop(id(m), None)
+    def __init__(
+        self,
+        gens: list[Generator[_Step, None, None]],
+        clocks: list[float],
+        phases: list[dict[str, float]],
+        net: _Net,
+    ):
+        self.gens, self.clocks, self.phases, self.net = gens, clocks, phases, net
+        self.tie = itertools.count()
+        self.ready: list[tuple[float, int, int]] = [
+            (0.0, next(self.tie), r) for r in range(len(gens))
+        ]
+        self.blocked: dict[int, tuple[int, _Msg, str]] = {}  # id(msg) -> (rank, msg, kind)
+        self.pending: dict[int, _Msg] = {}  # issued or posted, not both yet
+
+    def _advance(self, rank: int, t: float) -> None:
+        """``rank`` waited until ``t``; it is ready again."""
+        self.phases[rank]["wait"] += max(0.0, t - self.clocks[rank])
+        self.clocks[rank] = max(self.clocks[rank], t)
+        heapq.heappush(self.ready, (self.clocks[rank], next(self.tie), rank))
+
+    def _wake(self, m: _Msg) -> None:
+        b = self.blocked.pop(id(m), None)
         if b is not None:
             rank, _, kind = b
             t = m.arrival if kind == "wait" else m.end
             assert t is not None
-            phases[rank]["wait"] += max(0.0, t - clocks[rank])
-            clocks[rank] = max(clocks[rank], t)
-            heapq.heappush(ready, (clocks[rank], next(tie), rank))
+            self._advance(rank, t)
 
-    def maybe_schedule(m: _Msg) -> None:
+    def _maybe_schedule(self, m: _Msg) -> None:
         if m.issued is not None and m.posted is not None and m.end is None:
-            pending.pop(id(m), None)
-            net.schedule(m)
-            wake(m)
+            self.pending.pop(id(m), None)
+            self.net.schedule(m)
+            self._wake(m)
         else:
-            pending[id(m)] = m
+            self.pending[id(m)] = m
 
-    while ready:
-        _, _, r = heapq.heappop(ready)
-        while True:
-            try:
-                kind, arg = next(gens[r])
-            except StopIteration:
-                break
-            if kind == "cpu":
-                dt, ph = arg
-                clocks[r] += dt
-                phases[r][ph] += dt
-                heapq.heappush(ready, (clocks[r], next(tie), r))
-                break
+    def _step(self, r: int, kind: str, arg: Any) -> bool:
+        """Apply one step of rank ``r``; True: the rank goes on at once."""
+        if kind == "cpu":
+            dt, ph = arg
+            self.clocks[r] += dt
+            self.phases[r][ph] += dt
+            heapq.heappush(self.ready, (self.clocks[r], next(self.tie), r))
+            return False
+        if kind in ("send", "post"):
             if kind == "send":
-                arg.issued = clocks[r]
-                maybe_schedule(arg)
-                continue
-            if kind == "post":
-                arg.posted = clocks[r]
-                maybe_schedule(arg)
-                continue
-            # "wait" (for its arrival) or "wait_send" (for its last byte to leave)
-            t = arg.arrival if kind == "wait" else arg.end
-            if t is None:
-                blocked[id(arg)] = (r, arg, kind)
-                break
-            phases[r]["wait"] += max(0.0, t - clocks[r])
-            clocks[r] = max(clocks[r], t)
-            heapq.heappush(ready, (clocks[r], next(tie), r))
-            break
-    if blocked:
-        raise RuntimeError(f"the simulation deadlocked with {len(blocked)} rank(s) waiting")
+                arg.issued = self.clocks[r]
+            else:
+                arg.posted = self.clocks[r]
+            self._maybe_schedule(arg)
+            return True
+        # "wait" (for its arrival) or "wait_send" (for its last byte to leave)
+        t = arg.arrival if kind == "wait" else arg.end
+        if t is None:
+            self.blocked[id(arg)] = (r, arg, kind)
+            return False
+        self._advance(r, t)
+        return False
+
+    def run(self) -> None:
+        while self.ready:
+            _, _, r = heapq.heappop(self.ready)
+            for kind, arg in self.gens[r]:
+                if not self._step(r, kind, arg):
+                    break
+        if self.blocked:
+            raise RuntimeError(
+                f"the simulation deadlocked with {len(self.blocked)} rank(s) waiting"
+            )
