@@ -22,6 +22,8 @@ SKIPPED_DIRS = {"__pycache__", "fixtures", ".venv", "build", "dist"}
 
 _URL = re.compile(r"[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
 _TREE = re.compile(r"<!-- run: tree (\S+) -->")
+#: a path right after an output option of a command (``--plot PATH``) names what it writes
+_OUTPUT = re.compile(r"--(plot|out) $")
 _LINK_TEXT = re.compile(r"\[[^\]\n]*\]\(")  # a Markdown link's text is not a reference
 # a path with a directory whose first part is one of ours, or any Markdown file
 _TOP = "|".join((*SCANNED, "spec"))
@@ -85,7 +87,7 @@ def bad_references(text: str, where: Path) -> list[str]:
     text = _LINK_TEXT.sub("(", _URL.sub(" ", text))
     for match in _PATH.finditer(text):
         ref, anchor = match.group(1).rstrip("."), match.group(2)
-        if "*" in ref or ref.endswith("/"):
+        if "*" in ref or ref.endswith("/") or _OUTPUT.search(text, 0, match.start()):
             continue
         target = _resolve(ref, where, trees)
         if target is None:
@@ -102,6 +104,8 @@ def test_the_scanner_catches_missing_files_and_anchors() -> None:
     assert bad_references("see spec" + "/baselines.md", here) == ["spec/baselines.md"]
     assert bad_references("see docs/design.md and tests/conftest.py", here) == []
     assert bad_references("dynamiq/nope.py", here) == ["dynamiq/nope.py"]
+    assert bad_references("x.py --plot docs/img/new.png", here) == []  # an output
+    assert bad_references("x.py --cache docs/img/new.json", here) == ["docs/img/new.json"]
     doc = ROOT / "docs" / "guide.md"
     assert bad_references("[d](design.md#the-chunking-rule)", doc) == []
     assert bad_references("[d](design.md#no-such-heading)", doc) == ["design.md#no-such-heading"]
