@@ -285,6 +285,6 @@ def test_good_arguments_reach_the_work(
         "workers": [2, 4],
         "seeds": [0, 1],
     }
-    assert json.loads(capsys.readouterr().out) == [
-        {"codec": "int8", "bits_per_value": 8.5, "vnmse_median": 1e-4}
+    assert json.loads(capsys.readouterr().out) == [  # compare's rows start with the family
+        {"family": "lm", "values": 64, "codec": "int8", "bits_per_value": 8.5, "vnmse_median": 1e-4}
     ]

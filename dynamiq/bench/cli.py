@@ -456,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("bench cluster", _cluster.HELP),
         ("bench train", _train.HELP),
         ("plan", _PLAN_HELP),
+        ("plan calibrate", "measure the cost model's parameters: kernel costs, the emulated links"),
     ]
     width = max(len(c) for c, _ in commands) + len("dynamiq ")
     parser = argparse.ArgumentParser(
