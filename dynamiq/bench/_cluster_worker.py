@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     from dynamiq.collectives.transport import TorchDistTransport
 
-    # one persistent transport, as the DDP hook keeps: the configuration handshake runs once
-    # per configuration (in the warm-up), not in every timed call
+    # one persistent transport, as the DDP hook keeps (no per-call setup); the configuration
+    # check (a digest exchange, log2 n rounds) is part of every timed call
     transport = TorchDistTransport()
     x = rank_buffer(spec["data"], args.rank, args.world, int(spec["numel"]), int(spec["seed"]))
     results = []

@@ -139,6 +139,23 @@ class OmniReduceCodec(Codec):
     def encoded_nbytes(self, numel: int, ctx: HopContext | None = None) -> int | None:
         return 0 if numel == 0 else None
 
+    def valid_nbytes(self, numel: int, nbytes: int) -> bool:
+        """Whether a payload of ``numel`` values can have ``nbytes`` bytes: the bitmap, then
+        whole blocks of values (the last block may be short). The engine checks a received
+        length header with it before it posts the payload's receive."""
+        if numel == 0:
+            return nbytes == 0
+        nb, size = self._nblocks(numel), self.block_size
+        rest = nbytes - -(-nb // 8)
+        item = self.values.dtype.itemsize
+        if rest < 0 or rest % item:
+            return False
+        full, extra = divmod(rest // item, size)
+        tail = numel - (nb - 1) * size  # the last block's size
+        if extra == 0:
+            return full <= (nb if tail == size else nb - 1)
+        return extra == tail and full <= nb - 1
+
     def bits_per_value(self, numel: int = 1 << 20) -> float:
         """An upper bound (the size depends on the data): bitmap plus every block at density
         1, or ``K = ceil(density · blocks)`` full blocks (one fresh encoding) below."""

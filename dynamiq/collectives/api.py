@@ -4,7 +4,9 @@ torch.distributed, :func:`simulate_allreduce` in one process (docs/collectives.m
 Every function takes its configuration as a :class:`~dynamiq.collectives.options.
 CollectiveOptions` (``options=``), as keywords of the same names, or both (a keyword given
 replaces the field). ``async_op=True`` returns an :class:`AllReduceHandle` whose ``wait()``
-gives what the synchronous call returns.
+gives what the synchronous call returns; any number may be in flight on one group, each
+matched to its own messages (:class:`~dynamiq.collectives.transport.Channel`: tagged on gloo,
+run one at a time in issue order on NCCL), each giving what it would give alone.
 """
 
 from __future__ import annotations
@@ -333,9 +335,12 @@ def allreduce(
     desc = {"op": opts.op, "dtype": str(tensor.dtype)}
     cfg = _config(opts, False, descriptor=desc, inplace=True)
 
+    # numbered now, in issue order (the same on every rank), whatever thread runs it
+    job = ScheduleRun(tr, tensor.reshape(-1), c, sched, cfg, residual=residual)
+
     def run() -> AllReduceStats:
         try:
-            res = ScheduleRun(tr, tensor.reshape(-1), c, sched, cfg, residual=residual).run()
+            res = job.run()
         finally:
             if owned:
                 tr.close()
@@ -557,9 +562,11 @@ def reduce_scatter(  # noqa: PLR0913
         chunk_bounds=per_chunk,
     )
 
+    job = ScheduleRun(tr, tensor.reshape(-1), c, sched, cfg, residual=residual)  # issued now
+
     def run() -> Shard:
         try:
-            res = ScheduleRun(tr, tensor.reshape(-1), c, sched, cfg, residual=residual).run()
+            res = job.run()
         finally:
             if owned:
                 tr.close()
@@ -651,9 +658,11 @@ def all_gather(
     rounds = (sched.reduce_rounds, sched.num_rounds)
     cfg = _config(opts, False, descriptor={"collective": "all_gather"}, rounds=rounds)
 
+    job = ScheduleRun(tr, full, c, sched, cfg)  # issued now
+
     def run() -> tuple[torch.Tensor, AllReduceStats]:
         try:
-            res = ScheduleRun(tr, full, c, sched, cfg).run()
+            res = job.run()
         finally:
             if owned:
                 tr.close()

@@ -69,7 +69,7 @@ from .handshake import (
 )
 from .planning import RecvOp, RoundPlan, SendOp, chunk_bounds, chunk_layout, plan_schedule
 from .schedules import Schedule
-from .transport import PeerTimeoutError, RemembersAgreements, Transport, Work
+from .transport import PeerTimeoutError, Transport, TransportError, Work, open_collective
 
 __all__ = [
     "WIRE_VERSION",
@@ -244,6 +244,10 @@ class _ErrorFeedback:
 class ScheduleRun:
     """One rank's run of a schedule: construct, then :meth:`run` (once).
 
+    Constructing it opens the collective's channel on ``transport``
+    (:func:`~dynamiq.collectives.transport.open_collective`): construct runs in the same
+    order on every rank (the order they are issued in), and run each one constructed.
+
     ``plan`` (every rank's :func:`~dynamiq.collectives.planning.plan_schedule`) may be given
     to share one among simulated ranks; ``residual`` turns error feedback on (see
     :func:`run_schedule`).
@@ -263,7 +267,7 @@ class ScheduleRun:
         n = transport.world_size
         if schedule.world_size != n:
             raise ValueError(f"schedule is for {schedule.world_size} ranks, transport has {n}")
-        self.transport = transport
+        self.transport = open_collective(transport)
         self.x = x
         self.codec = codec
         self.schedule = schedule
@@ -287,20 +291,30 @@ class ScheduleRun:
         self.decoded: set[tuple[int, int]] = set()
         self.posted: dict[int, list[_Incoming]] = {}
         self.early: _Sends | None = None  # a round's sends, started during the previous one
+        self._round = 0  # the round running (for errors)
 
     # -- the steps -------------------------------------------------------------------------
 
     def run(self) -> EngineResult:
         """Agree, run the prologue, every round, and decode: the rank's result."""
-        t0 = time.perf_counter()
-        self.agree_on_config()
-        t0 = self.timer.add("agree", t0)
-        if self.run_codec_prologue():
-            self.timer.add("prologue", t0)
-        self.prepare()
-        for k in range(len(self.plan)):
-            self.run_round(k)
-        return self.finish()
+        self.transport.start()  # its turn (at once, unless the transport serialises)
+        try:
+            t0 = time.perf_counter()
+            self.agree_on_config()
+            t0 = self.timer.add("agree", t0)
+            if self.run_codec_prologue():
+                self.timer.add("prologue", t0)
+            self.prepare()
+            for k in range(len(self.plan)):
+                self._round = k
+                self.run_round(k)
+            return self.finish()
+        except TransportError as exc:  # a transfer could not start: say where
+            if " (round " in str(exc):
+                raise
+            raise TransportError(str(exc) + self._where(self._round)) from exc
+        finally:
+            self.transport.end()
 
     def agree_on_config(self) -> None:
         """Check that every rank runs the same configuration (raises on every rank if not)."""
@@ -313,11 +327,10 @@ class ScheduleRun:
             "seed": cfg.seed,
             "sub_chunk": cfg.sub_chunk,
             "return_bound": cfg.return_bound,
+            "step": cfg.step,
             **(cfg.descriptor or {}),
         }
-        tr = self.transport
-        agreed = tr.agreed if isinstance(tr, RemembersAgreements) else None
-        self.result.control_bytes_sent += agree(tr, desc, cfg.timeout, self.x.device, agreed)
+        self.result.control_bytes_sent += agree(self.transport, desc, cfg.timeout, self.x.device)
 
     def run_codec_prologue(self) -> bool:
         """Run the codec's prologue, if it has one; its result reaches every encoding."""
@@ -450,9 +463,12 @@ class ScheduleRun:
             hdr = torch.empty(1, dtype=torch.int64, device=self.x.device)
             self._wait(self.transport.irecv(hdr, src), k)
             size = int(hdr[0])
-            if not 0 <= size <= _LENGTH_PER_VALUE * (inc.b - inc.a) + _LENGTH_SLACK:
+            valid = getattr(inc.op.codec, "valid_nbytes", None)  # optional codec check
+            if not 0 <= size <= _LENGTH_PER_VALUE * (inc.b - inc.a) + _LENGTH_SLACK or (
+                valid is not None and not valid(inc.b - inc.a, size)
+            ):
                 raise ValueError(
-                    f"rank {self.rank}: bad payload length {size} from {src}{self._where(k)}"
+                    f"rank {self.rank}: bad payload length {size} from peer {src}{self._where(k)}"
                 )
             self._post(inc, src, size)
             self.result.bytes_received += 8
@@ -473,6 +489,13 @@ class ScheduleRun:
         pb = None
         if self.bounds is not None:
             assert inc.bound_buf is not None
+            bad = torch.isnan(inc.bound_buf) | (inc.bound_buf < 0)
+            if bool(bad.any()):
+                src = self.plan[k].recv_from
+                raise ValueError(
+                    f"rank {self.rank}: bound from peer {src} is negative or NaN "
+                    f"({inc.bound_buf[bad][0].item()!r}){self._where(k)}"
+                )
             pb = self.bounds.unpack(inc.bound_buf, op.codec, b - a)
         st = fresh.setdefault(
             op.chunk,
@@ -625,8 +648,8 @@ class ScheduleRun:
     def _wait(self, w: Work, k: int) -> None:
         try:
             w.wait(self.config.timeout)
-        except PeerTimeoutError as exc:
-            raise PeerTimeoutError(str(exc) + self._where(k)) from exc
+        except (PeerTimeoutError, TransportError) as exc:
+            raise type(exc)(str(exc) + self._where(k)) from exc
 
 
 def run_schedule(

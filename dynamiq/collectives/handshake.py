@@ -1,10 +1,17 @@
 """What happens before a collective's first transfer: the ranks agree on its configuration,
 then a codec's prologue runs (docs/collectives.md, "The engine").
 
-**Agreement.** Rank 0 gathers every rank's descriptor (a JSON object: wire version, codec
-config, schedule digest, sizes, ...) and sends every rank the verdict, so a mismatch raises
-:class:`ConfigMismatchError` on every rank, naming the fields and the ranks. Each message is
-an int64 length, then that many bytes of UTF-8 JSON.
+**Agreement**, at every collective, before any message whose size depends on the
+configuration. Each rank hashes its descriptor (a JSON object: wire version, codec config,
+schedule digest, sizes, seed, step, ...) to a 32-byte SHA-256 digest; the ranks pass the
+smallest and the largest digest they have seen (64 bytes) along a dissemination pattern: in
+round ``i`` rank ``r`` sends to ``r + 2**i`` and receives from ``r - 2**i`` (mod ``n``), so
+after ``ceil(log2 n)`` rounds every rank knows the smallest and largest digest of all ranks
+(one message in and one out per round: no rank receives ``O(n)``). They agree iff the two
+are equal. Otherwise (the slow path, on every rank at once) rank 0 gathers every rank's
+descriptor and sends every rank the verdict, so :class:`ConfigMismatchError` is raised on
+every rank, naming the fields and the ranks; each of those messages is an int64 length, then
+that many bytes of UTF-8 JSON.
 
 **Prologues.** A codec may define ``prologue(x, comm) -> dict | None``: a collective step it
 needs before encoding (THC agrees on one scale per rotation block, OmniReduce on a global
@@ -17,6 +24,7 @@ engine's communicator over a :class:`~dynamiq.collectives.transport.Transport`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Protocol
 
@@ -153,28 +161,47 @@ def _verdict(transport: Transport, mine: bytes, timeout: float, device: torch.de
     return "ranks disagree on the collective's configuration: " + " | ".join(problems)
 
 
+def _disseminate(
+    transport: Transport, digest: bytes, timeout: float, device: torch.device
+) -> tuple[bytes, bytes, int]:
+    """The smallest and largest digest over all ranks (and the bytes this rank sent)."""
+    r, n = transport.rank, transport.world_size
+    lo = hi = digest
+    sent, shift = 0, 1
+    while shift < n:
+        out = torch.frombuffer(bytearray(lo + hi), dtype=torch.uint8).to(device)
+        got = torch.empty(2 * len(digest), dtype=torch.uint8, device=device)
+        recv = transport.irecv(got, (r - shift) % n)
+        send = transport.isend(out, (r + shift) % n)
+        recv.wait(timeout)
+        send.wait(timeout)
+        theirs = bytes(got.cpu().numpy().tobytes())
+        lo, hi = min(lo, theirs[: len(digest)]), max(hi, theirs[len(digest) :])
+        sent += out.numel()
+        shift *= 2
+    return lo, hi, sent
+
+
 def agree(
     transport: Transport,
     desc: dict[str, Any],
     timeout: float,
     device: torch.device | str = "cpu",
-    agreed: set[bytes] | None = None,
 ) -> int:
     """Check that every rank has the same descriptor; raise on every rank if not.
 
-    Rank 0 gathers the descriptors and sends every rank the verdict; the messages live on
-    ``device`` (the data's: NCCL moves CUDA tensors only). ``agreed``, when given, holds the
-    descriptors already agreed on over this transport (a DDP hook's lives across steps): one
-    found there is not exchanged again, one agreed on now is added. Returns bytes sent.
+    A fixed-size digest exchange (``ceil(log2 n)`` rounds of 64 bytes) decides; only on a
+    mismatch does rank 0 gather the descriptors, to name the fields. The messages live on
+    ``device`` (the data's: NCCL moves CUDA tensors only). Returns bytes sent.
     """
     device = torch.device(device)
     r, n = transport.rank, transport.world_size
     if n == 1:
         return 0
     mine = json.dumps(desc, sort_keys=True, default=str).encode()
-    if agreed is not None and mine in agreed:
-        return 0
-    sent = 0
+    lo, hi, sent = _disseminate(transport, hashlib.sha256(mine).digest(), timeout, device)
+    if lo == hi:
+        return sent
     if r != 0:  # send mine to rank 0, get its verdict
         works = _send_blob(transport, mine, 0, device)
         sent += 8 + len(mine)
@@ -187,8 +214,6 @@ def agree(
             sent += 8 + len(verdict)
     for w in works:
         w.wait(timeout)
-    if verdict:
-        raise ConfigMismatchError(verdict)
-    if agreed is not None:
-        agreed.add(mine)
-    return sent
+    raise ConfigMismatchError(
+        verdict or "ranks disagree on the collective's configuration (their digests differ)"
+    )

@@ -26,7 +26,6 @@ the engine for every registered codec and schedule.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from dynamiq.codecs.passthrough import BF16Codec, FP16Codec, FP32Codec
 
 from .bounds import fp32_add_slack as _slack
 from .bounds import group_size as _group_size
-from .engine import WIRE_VERSION, EngineResult, PrologueComm
+from .engine import EngineResult, PrologueComm
 from .planning import CtxKey, Plan, chunk_layout
 from .schedules import Schedule
 from .transport import LocalCluster, run_threads
@@ -486,22 +485,10 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _handshake_bytes(sim: _Sim) -> list[int]:
-    """What the engine's configuration handshake (``engine.agree``) sends from each rank:
-    every rank but 0 its descriptor, rank 0 an empty verdict to each."""
-    n = sim.n
-    if n == 1:
-        return [0]
-    desc = {
-        "wire_version": WIRE_VERSION,
-        "codec": sim.codecs[0].get_config(),
-        "schedule": sim.schedule.describe(),
-        "numel": sim.numel,
-        "seed": sim.plan.seed,
-        "sub_chunk": sim.sub_chunk,
-        "return_bound": sim.return_bound,
-    }
-    mine = len(json.dumps(desc, sort_keys=True, default=str).encode())
-    return [8 * (n - 1)] + [8 + mine] * (n - 1)
+    """What the engine's configuration check (``handshake.agree``) sends from each rank when
+    the ranks agree: 64 bytes in each of ``ceil(log2 n)`` rounds."""
+    rounds = (sim.n - 1).bit_length()
+    return [64 * rounds] * sim.n
 
 
 def simulate_schedule(

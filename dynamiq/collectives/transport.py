@@ -6,9 +6,13 @@ A :class:`Transport` moves tensors between the ranks of one collective: ``isend`
 The engine never touches ``torch.distributed`` directly, so the same schedule code runs over
 gloo, NCCL and the in-process :class:`LocalTransport` (N ranks as N threads of one process).
 
-A transport that lives across many collectives (a DDP hook's) may also remember the
-configurations its ranks have agreed on (:class:`RemembersAgreements`), so the engine's
-handshake runs once per configuration instead of at every call.
+**Concurrent collectives.** Any number of collectives may be in flight on one transport (or
+one process group): each runs on its own :class:`Channel` (:func:`open_collective`, called in
+issue order), numbered by the :class:`Sequencer` of the transport's group, so every rank gives
+the same collective the same number. Where the transport matches messages by tag (gloo, the
+in-process one), a channel's messages carry the tag ``1 + seq % 2**30`` and collectives run
+at once; where it does not (NCCL, a custom transport without ``tag``), they run one at a time
+in issue order. Either way no message is matched to another collective's receive.
 """
 
 from __future__ import annotations
@@ -16,26 +20,39 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
+from collections import defaultdict
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import torch
 
 __all__ = [
+    "Channel",
     "LocalCluster",
     "LocalTransport",
     "PeerTimeoutError",
-    "RemembersAgreements",
+    "Sequencer",
     "TorchDistTransport",
     "Transport",
     "TransportClosedError",
+    "TransportError",
     "Work",
+    "open_collective",
 ]
+
+#: Tags of collectives' messages are ``1 + seq % _TAG_SPACE`` (0 stays the untagged default).
+_TAG_SPACE = 1 << 30
 
 
 class PeerTimeoutError(TimeoutError):
-    """A peer did not deliver (or accept) data in time: it died, stalled or disagrees."""
+    """A peer did not deliver (or accept) data in time: it died, closed the connection,
+    stalled or disagrees."""
+
+
+class TransportError(RuntimeError):
+    """The transport itself failed to start a transfer (e.g. a broken process group)."""
 
 
 class Work(Protocol):
@@ -49,7 +66,8 @@ class Transport(Protocol):
     world_size: int
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Work:
-        """Start sending ``tensor`` (contiguous) to ``dst``; the tensor must stay alive."""
+        """Start sending ``tensor`` (contiguous) to ``dst``; the tensor must stay alive.
+        (The built-in transports also take ``tag=``: see :class:`Channel`.)"""
         ...
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Work:
@@ -62,12 +80,84 @@ class Transport(Protocol):
         ...
 
 
-@runtime_checkable
-class RemembersAgreements(Protocol):
-    """A transport whose ranks keep the configurations they agreed on (see
-    :func:`dynamiq.collectives.handshake.agree`): ``agreed`` holds their descriptors."""
+class Sequencer:
+    """Numbers the collectives issued on one group (in issue order, from 0); with
+    ``serial``, lets them run only one at a time, in that order (:meth:`start`, :meth:`end`)."""
 
-    agreed: set[bytes]
+    def __init__(self, serial: bool):
+        self.serial = serial
+        self.issued = 0
+        self.turn = 0  # with ``serial``: the collective allowed to run
+        self.done: set[int] = set()
+        self.cond = threading.Condition()
+
+    def issue(self) -> int:
+        with self.cond:
+            self.issued += 1
+            return self.issued - 1
+
+    def start(self, seq: int) -> None:
+        if self.serial:
+            with self.cond:
+                self.cond.wait_for(lambda: self.turn >= seq)
+
+    def end(self, seq: int) -> None:
+        """Collective ``seq`` is over (idempotent): the next one may run."""
+        with self.cond:
+            self.done.add(seq)
+            while self.turn in self.done:
+                self.done.discard(self.turn)
+                self.turn += 1
+            self.cond.notify_all()
+
+
+#: the sequencer of a transport that has none of its own (runs its collectives in order)
+_FALLBACK: weakref.WeakKeyDictionary[Any, Sequencer] = weakref.WeakKeyDictionary()
+
+
+class Channel:
+    """One collective's view of a transport (a :class:`Transport` itself): its messages carry
+    its tag, or (``sequencer.serial``) it runs alone. Bracket its transfers by :meth:`start`
+    and :meth:`end` (``end`` also when it fails, or never runs)."""
+
+    def __init__(self, base: Any, sequencer: Sequencer, seq: int):
+        self.base, self.sequencer, self.seq = base, sequencer, seq
+        self.rank: int = base.rank
+        self.world_size: int = base.world_size
+        self.tag = 0 if sequencer.serial else 1 + seq % _TAG_SPACE
+
+    def start(self) -> None:
+        self.sequencer.start(self.seq)
+
+    def end(self) -> None:
+        self.sequencer.end(self.seq)
+
+    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+        if self.tag:
+            return self.base.isend(tensor, dst, tag=self.tag)
+        return self.base.isend(tensor, dst)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+        if self.tag:
+            return self.base.irecv(tensor, src, tag=self.tag)
+        return self.base.irecv(tensor, src)
+
+    def close(self) -> None:
+        """Ends this collective (as :meth:`end`); the transport stays open."""
+        self.end()
+
+
+def open_collective(transport: Any) -> Channel:
+    """The channel of the next collective on ``transport``: call it in issue order (the
+    same order on every rank), before handing the collective to another thread. A transport
+    with a ``sequencer`` attribute uses it (tagged unless ``serial``); any other runs its
+    collectives one at a time. A :class:`Channel` is returned as it is."""
+    if isinstance(transport, Channel):
+        return transport
+    seqr = getattr(transport, "sequencer", None)
+    if seqr is None:
+        seqr = _FALLBACK.setdefault(transport, Sequencer(serial=True))
+    return Channel(transport, seqr, seqr.issue())
 
 
 class TransportClosedError(RuntimeError):
@@ -85,9 +175,9 @@ class _Done:
 
 
 class _LocalRecv:
-    def __init__(self, cluster: LocalCluster, out: torch.Tensor, src: int, dst: int):
+    def __init__(self, cluster: LocalCluster, out: torch.Tensor, src: int, dst: int, tag: int):
         self.cluster, self.out, self.src, self.dst = cluster, out, src, dst
-        self.q = cluster.boxes[(src, dst)]
+        self.q = cluster.box(src, dst, tag)
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -113,15 +203,22 @@ class _LocalRecv:
 
 
 class LocalCluster:
-    """Mailboxes shared by the :class:`LocalTransport` of each simulated rank."""
+    """Mailboxes shared by the :class:`LocalTransport` of each simulated rank: one per
+    (sender, receiver, tag); each rank numbers its collectives with its own sequencer."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
-        self.boxes: dict[tuple[int, int], queue.Queue[torch.Tensor]] = {
-            (a, b): queue.Queue() for a in range(world_size) for b in range(world_size)
-        }
+        self.boxes: defaultdict[tuple[int, int, int], queue.Queue[torch.Tensor]] = defaultdict(
+            queue.Queue
+        )
+        self._lock = threading.Lock()
+        self.sequencers = [Sequencer(serial=False) for _ in range(world_size)]
         #: set when a rank fails, so that the others stop waiting for it at once
         self.aborted = threading.Event()
+
+    def box(self, src: int, dst: int, tag: int) -> queue.Queue[torch.Tensor]:
+        with self._lock:
+            return self.boxes[(src, dst, tag)]
 
     def transport(self, rank: int) -> LocalTransport:
         return LocalTransport(self, rank)
@@ -134,20 +231,24 @@ class LocalTransport:
         self.cluster = cluster
         self.rank = rank
         self.world_size = cluster.world_size
+        self.sequencer = cluster.sequencers[rank]
         self.closed = False
 
-    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         _check_open(self.closed, self.rank, "isend")
-        self.cluster.boxes[(self.rank, dst)].put(tensor.detach().clone())
+        self.cluster.box(self.rank, dst, tag).put(tensor.detach().clone())
         return _Done()
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         _check_open(self.closed, self.rank, "irecv")
-        return _LocalRecv(self.cluster, tensor, src, self.rank)
+        return _LocalRecv(self.cluster, tensor, src, self.rank, tag)
 
     def close(self) -> None:
         """Later transfers raise; messages already sent stay in the peers' mailboxes."""
         self.closed = True
+
+
+_CLOSED_WORDS = ("closed", "reset by peer", "broken pipe", "connection refused", "eof")
 
 
 class _DistWork:
@@ -155,26 +256,46 @@ class _DistWork:
         self.work, self.peer, self.rank, self.verb = work, peer, rank, verb
 
     def wait(self, timeout: float) -> None:
+        t0 = time.monotonic()
         try:
             ok = self.work.wait(timedelta(seconds=timeout))
         except RuntimeError as exc:
-            raise PeerTimeoutError(
-                f"rank {self.rank}: {self.verb} peer {self.peer} failed or timed out after "
-                f"{timeout:g} s ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-            ) from exc
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            took = time.monotonic() - t0
+            if any(w in first.lower() for w in _CLOSED_WORDS) or took < 0.9 * timeout:
+                what = f"peer {self.peer} closed the connection after {took:.1f} s"
+            else:
+                what = f"no data from peer {self.peer} within {timeout:g} s"
+            raise PeerTimeoutError(f"rank {self.rank}: {self.verb}: {what} ({first})") from exc
         if ok is False:
             raise PeerTimeoutError(
-                f"rank {self.rank}: {self.verb} peer {self.peer} timed out after {timeout:g} s"
+                f"rank {self.rank}: {self.verb}: no data from peer {self.peer} within {timeout:g} s"
             )
+
+
+#: one sequencer per process group, shared by every transport over it
+_GROUPS: weakref.WeakKeyDictionary[Any, Sequencer] = weakref.WeakKeyDictionary()
+_GROUPS_LOCK = threading.Lock()
+
+
+def _group_sequencer(dist: Any, group: Any) -> Sequencer:
+    key = group if group is not None else dist.group.WORLD
+    with _GROUPS_LOCK:
+        if key not in _GROUPS:
+            # gloo matches point-to-point messages by tag; NCCL (and others) ignore tags
+            _GROUPS[key] = Sequencer(serial=dist.get_backend(group) != "gloo")
+        return _GROUPS[key]
 
 
 class TorchDistTransport:
     """Point-to-point over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
     ``group`` is a process group (default: the world); ranks of the collective are group
-    ranks, mapped to global ranks for the P2P calls. It remembers the configurations its
-    ranks agreed on (``agreed``, see :class:`RemembersAgreements`). ``close()`` ends its use;
-    the process group stays (it belongs to whoever created it).
+    ranks, mapped to global ranks for the P2P calls. Every transport over one group shares
+    the group's :class:`Sequencer` (collectives on it are numbered in issue order, tagged on
+    gloo, serialised elsewhere). A failure of torch.distributed raises
+    :class:`PeerTimeoutError` (waits) or :class:`TransportError` (starts), naming the peer.
+    ``close()`` ends its use; the process group stays (it belongs to whoever created it).
     """
 
     def __init__(self, group: Any = None):
@@ -187,8 +308,7 @@ class TorchDistTransport:
             )
         self.dist = dist
         self.group = group
-        #: configurations already agreed on by every rank (see ``handshake.agree``)
-        self.agreed: set[bytes] = set()
+        self.sequencer = _group_sequencer(dist, group)
         self.closed = False
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -198,20 +318,27 @@ class TorchDistTransport:
             else [dist.get_global_rank(group, r) for r in range(self.world_size)]
         )
 
-    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         _check_open(self.closed, self.rank, "isend")
-        work = self.dist.isend(tensor, dst=self._global[dst], group=self.group)
+        try:
+            work = self.dist.isend(tensor, dst=self._global[dst], group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise TransportError(f"rank {self.rank}: cannot send to peer {dst}: {exc}") from exc
         return _DistWork(work, dst, self.rank, "send to")
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         _check_open(self.closed, self.rank, "irecv")
-        work = self.dist.irecv(tensor, src=self._global[src], group=self.group)
+        try:
+            work = self.dist.irecv(tensor, src=self._global[src], group=self.group, tag=tag)
+        except RuntimeError as exc:
+            raise TransportError(
+                f"rank {self.rank}: cannot receive from peer {src}: {exc}"
+            ) from exc
         return _DistWork(work, src, self.rank, "receive from")
 
     def close(self) -> None:
-        """Later transfers raise; the agreed configurations are forgotten."""
+        """Later transfers raise."""
         self.closed = True
-        self.agreed.clear()
 
 
 def run_threads(world_size: int, fn: Any, on_error: Any = None) -> list[Any]:
