@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynamiq.data.corpus import SPLITS
+from dynamiq.data.model import seeded
 
 __all__ = ["DigitsConfig", "DigitsNet", "DigitsSource", "load_digit_images"]
 
@@ -108,9 +109,7 @@ class DigitsConfig:
 
     def build_model(self) -> DigitsNet:
         """A freshly initialised net from ``seed`` (the caller's RNG state is kept)."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            return DigitsNet(self)
+        return seeded(lambda: DigitsNet(self), self.seed)
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """Mean cross-entropy (nats) of an ``(images, labels)`` batch."""

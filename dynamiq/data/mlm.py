@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynamiq.data.corpus import SPLITS, Corpus, build_corpus
+from dynamiq.data.model import seeded
 
 __all__ = ["MASK_ID", "MLMConfig", "MLMEncoder", "MLMSource", "mask_bytes"]
 
@@ -109,9 +110,7 @@ class MLMConfig:
 
     def build_model(self) -> MLMEncoder:
         """A freshly initialised encoder from ``seed`` (the caller's RNG state is kept)."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            return MLMEncoder(self)
+        return seeded(lambda: MLMEncoder(self), self.seed)
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """Mean cross-entropy (nats) of the masked bytes of an ``(inputs, labels)`` batch."""

@@ -11,8 +11,9 @@ untied output projection.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -131,11 +132,20 @@ def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
-def build_model(cfg: ModelConfig, seed: int) -> TinyTransformer:
-    """Build a freshly initialised model from ``seed`` without touching the caller's RNG state."""
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def seeded(factory: Callable[[], _M], seed: int) -> _M:
+    """``factory()`` with the RNG seeded by ``seed``, without touching the caller's RNG state
+    (every family's freshly initialised model)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return TinyTransformer(cfg)
+        return factory()
+
+
+def build_model(cfg: ModelConfig, seed: int) -> TinyTransformer:
+    """Build a freshly initialised model from ``seed`` without touching the caller's RNG state."""
+    return seeded(lambda: TinyTransformer(cfg), seed)
 
 
 def param_layout(model: nn.Module) -> list[dict[str, Any]]:
