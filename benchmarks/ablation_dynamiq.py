@@ -1,49 +1,98 @@
-"""Ablation of the DynamiQ codec on a subset of the real gradients: each technique off in turn.
+"""Ablation of the DynamiQ codec on every model family: each technique off in turn.
 
-The subset: the eval split's first 8 workers, four runs of 262,144 values taken across the
-model (offsets 0, 800,000, 1,900,000 and 3,000,000), so that one run takes seconds. Ring and
-butterfly of 8, one seed; bits/value counts everything sent. The full-size comparison is
-``dynamiq compare`` (docs/benchmarks.md).
+Per family, the eval split's first 8 workers and the first ``--values`` values of each
+(``lm`` and ``mlm``: 2^20; ``digits``: all of its 548,746); ring and butterfly of 8, one seed;
+bits/value counts everything sent (the prologue included). Variants: the default, then one
+knob changed at a time: how the budget is pooled (the span design, spans of 256 pooled alone,
+the bucket pooled with no balance cap, every chunk pooled alone, each rank's demand measured
+at the codec's own bits instead of 2 bits below), the variable bit-width, the level tables,
+the group scales, the rounding and the hop slope.
 
-    python benchmarks/ablation_dynamiq.py
+    python benchmarks/ablation_dynamiq.py --family lm,mlm,digits --out docs/data/ablation.json
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import sys
+from collections.abc import Iterator
+from typing import Any
 
-import torch
-
+from dynamiq.codecs import _dynamiq_pool
 from dynamiq.collectives import simulate_allreduce
-from dynamiq.data import load_gradients
+from dynamiq.data import load_gradients, parse_families
 
 BASE = {"id": "dynamiq"}
-VARIANTS = {
+VARIANTS: dict[str, dict[str, Any]] = {
     "DynamiQ (default)": {},
+    "span design (pooling=span, span=65536, super_group=1024, bits=4.7)": {
+        "pooling": "span",
+        "span": 65536,
+        "super_group": 1024,
+        "bits": 4.7,
+    },
+    "spans pooled alone (pooling=span)": {"pooling": "span", "bits": 4.6875},
+    "bucket, no balance cap (balance=1e6)": {"balance": 1e6},
+    "each chunk alone (balance=1)": {"balance": 1.0},
+    "demand at the codec's bits (DEMAND_OFFSET=0)": {"_demand_offset": 0.0},
     "no variable bit-width (pooled=False)": {"pooled": False},
     "uniform levels (levels=uniform)": {"levels": "uniform"},
     "power-of-two group scales (scale_steps=1)": {"scale_steps": 1},
-    "small span (span=4096)": {"span": 4096},
     "stochastic rounding": {"rounding": "stochastic"},
     "correlated rounding": {"rounding": "correlated"},
     "more bits to later hops (hop_slope=1)": {"hop_slope": 1.0},
 }
 
 
-def main() -> None:
-    grads = load_gradients("eval", 8)
-    idx = torch.cat([torch.arange(s, s + 262144) for s in (0, 800_000, 1_900_000, 3_000_000)])
-    g = grads[:, idx].contiguous()
+@contextlib.contextmanager
+def demand_offset(value: float | None) -> Iterator[None]:
+    """Set the pooling module's DEMAND_OFFSET (an internal constant) for one variant."""
+    saved = _dynamiq_pool.DEMAND_OFFSET
+    if value is not None:
+        _dynamiq_pool.DEMAND_OFFSET = value
+    try:
+        yield
+    finally:
+        _dynamiq_pool.DEMAND_OFFSET = saved
+
+
+def run(families: list[str], values: int) -> list[dict[str, Any]]:
     rows = []
-    for name, knobs in VARIANTS.items():
-        codec = {**BASE, **knobs}
-        row: dict[str, object] = {"variant": name, "config": knobs}
-        for schedule in ("ring", "butterfly"):
-            res = simulate_allreduce(list(g), codec, schedule, return_bound=False)
-            row[f"{schedule} 8 vNMSE"] = res.vnmse
-            row[f"{schedule} 8 bits/value"] = res.bits_per_value()
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    for fam in families:
+        grads = load_gradients("eval", 8, family=fam, progress=False)
+        g = grads[:, : min(values, grads.shape[1])].contiguous()
+        for name, knobs in VARIANTS.items():
+            knobs = dict(knobs)
+            offset = knobs.pop("_demand_offset", None)
+            codec = {**BASE, **knobs}
+            row: dict[str, Any] = {"family": fam, "values": g.shape[1], "variant": name}
+            with demand_offset(offset):
+                for schedule in ("ring", "butterfly"):
+                    res = simulate_allreduce(
+                        list(g), codec, schedule, return_bound=False, sub_chunk=1 << 20
+                    )
+                    row[f"{schedule} 8 vNMSE"] = res.vnmse
+                    row[f"{schedule} 8 bits/value"] = res.bits_per_value()
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", default="lm,mlm,digits")
+    ap.add_argument("--values", type=int, default=1 << 20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = run(parse_families(args.family), args.values)
+    text = json.dumps(rows, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
 
 
 if __name__ == "__main__":

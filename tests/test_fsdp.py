@@ -328,6 +328,7 @@ def test_configuration_errors_are_clear_on_every_rank(two: list) -> None:
         assert "no FSDP module" in res["no_fsdp"]
 
 
+@pytest.mark.slow  # ~20-30 s: 4 ranks
 def test_fp32_codec_within_the_fp32_slack_at_4_ranks() -> None:
     results = run_gloo(_job, 4, timeout=300)
     assert all(s == "ok" for s, _ in results), results

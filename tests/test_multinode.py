@@ -94,6 +94,7 @@ def _run_two_nodes(tmp_path: Path) -> tuple[list[int], list[str]]:
     return [after[i]["tx_bytes"] - before[i]["tx_bytes"] for i in range(2)], outs
 
 
+@pytest.mark.slow  # ~35-55 s: two network namespaces, torchrun on each
 def test_two_namespaces_run_the_documented_multinode_command(tmp_path: Path) -> None:
     # the reference: the same job on one node, 4 processes on loopback (same global ranks and
     # schedule), run alongside

@@ -1,19 +1,32 @@
-"""The DynamiQ codec (docs/design.md, "Codec sources"): partial-sum-aware quantization for multi-hop
-all-reduce.
+"""The DynamiQ codec (docs/design.md, "Codec sources"; docs/formats.md, "dynamiq"):
+partial-sum-aware quantization for multi-hop all-reduce.
 
 Wire unit: a **span** of ``span`` values (the codec's ``block_size``, aligned to global
-offsets) made of **super-groups** of ``super_group`` values, each made of **groups** of
-``group`` values. Per span, the wire holds:
+offsets; 256 by default) made of **super-groups** of ``super_group`` values (256), each made
+of **groups** of ``group`` values (16). Per span, the wire holds:
 
 1. one scale per super-group: ``S = roundup_bf16(absmax)`` (bf16, 2 bytes);
 2. one 4-bit code ``e`` per group: the group scale is ``s = S·2^-e``, the largest such
    power-of-two step below ``S`` that is still >= the group's absmax (``e`` in 0..15);
-3. the groups' level indices, ``w_g`` bits each, packed back to back in a fixed container of
-   ``floor(bits_k · len)`` bits (``len`` the span's length).
+3. the groups' level indices, ``w_g`` bits each, packed back to back in the span's
+   container of ``B`` bits (``ceil(B / 8)`` bytes).
+
+**The budget ``B`` of a span**, known to both ends before any byte of it arrives:
+
+* ``pooling="bucket"`` (default) inside a collective: the codec's :meth:`DynamiqCodec.prologue`
+  (one exact all-reduce of an int16 per span, :mod:`dynamiq.codecs._dynamiq_pool`) gives
+  every rank the same per-span demand, and from it every rank derives the same budget of
+  every span: the bucket's ``floor(bits_k · N)`` bits pooled over all its spans, each chunk
+  of the collective holding at most ``balance`` times its uniform share (so every rank sends
+  about as much in every round). Bytes per value (prologue included) stay
+  ``bits_k + 80/span + 16/span`` bits: 5.0 by default;
+* ``pooling="span"``, or without the prologue's result (``ctx.shared``): ``floor(bits_k ·
+  len)`` for a span of ``len`` values (the first version's design: pooled over the span only;
+  ``span=65536, super_group=1024, bits=4.7`` is that version's default, wire-identical).
 
 **Variable bit-width, no extra metadata.** The widths ``w_g`` are not sent: both sides derive
-them from the integer scale codes by reverse water-filling over the whole span (the budget is
-pooled over the span). The next bit of group ``g`` at width ``w`` is worth
+them from the integer scale codes by reverse water-filling over the span (the budget ``B``
+is shared among its groups). The next bit of group ``g`` at width ``w`` is worth
 ``s_g^2 (D(w) - D(w+1))``, ``D`` the distortion of the fitted level tables measured on the fit
 split; in integers, ``P[g, w] = 8 L_g + Q[w]`` with ``L_g = k floor(log2 S) - e_g`` (the
 group scale's log2 in 1/k-bit units) and ``Q[w] = round(4k log2(D(w) - D(w+1)))``. Every bit
@@ -40,7 +53,11 @@ partial sums are larger: ``bits_k = bits + hop_slope · (k - (H - 1)/2) / max(H 
 the average over the hops stays ``bits`` (the wire size depends on ``ctx``, as allowed).
 
 Non-finite input: a super-group holding NaN or ±Inf gets a NaN scale (written as the bf16
-pattern 0xFFFF, what torch's CPU conversion writes) and decodes to NaN.
+pattern 0xFFFF, what torch's CPU conversion writes) and decodes to NaN; non-finite values
+never enter the prologue's statistics, so they do not move other spans' budgets. A finite
+``|x|`` beyond ``max_input_abs`` (2^127) raises ``ValueError``: in a collective on every rank
+(the prologue's all-reduce carries a flag), which also refuses inputs whose partial sums
+could grow past it (``n·|x|max·(1 + 2^-7)^(n-1)``, ``n`` ranks).
 
 **How the reference computes it** (the wire format above does not depend on this). The full
 spans of a call are processed together as ``[spans, groups, group]`` tensors, in blocks of
@@ -83,14 +100,16 @@ that both give the same bytes, values and bounds, for every knob.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from . import _dynamiq_pool as _pool
 from ._dynamiq_levels import DISTORTION_FITTED, LEVELS
 from .base import Codec, ErrorBound, HopContext, check_choice, check_int
 from .formats import exponent_of
@@ -276,15 +295,17 @@ class DynamiqCodec(Codec):
     #: the absolute term of the bound (fp32's smallest subnormal; a ClassVar, not config)
     _bound_abs: ClassVar[float] = 2.0**-149
 
-    bits: float = 4.7
-    span: int = 65536
-    super_group: int = 1024
+    bits: float = 4.625
+    span: int = 256
+    super_group: int = 256
     group: int = 16
     levels: str = "fitted"
     rounding: str = "nearest"
     hop_slope: float = 0.0
     pooled: bool = True
     scale_steps: int = 2
+    pooling: str = "bucket"
+    balance: float = 1.3
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
@@ -301,6 +322,11 @@ class DynamiqCodec(Codec):
             )
         check_choice("levels", self.levels, ("fitted", "uniform"))
         check_choice("rounding", self.rounding, ("nearest", "stochastic", "correlated"))
+        check_choice("pooling", self.pooling, ("span", "bucket"))
+        if isinstance(self.balance, bool) or not isinstance(self.balance, (int, float)):
+            raise TypeError(f"balance must be a number (got {type(self.balance).__name__})")
+        if not 1.0 <= self.balance <= 1e6:
+            raise ValueError(f"balance must be in 1..1e6 (got {self.balance})")
         if not isinstance(self.hop_slope, (int, float)) or not 0 <= self.hop_slope <= 4:
             raise ValueError(f"hop_slope must be in 0..4 (got {self.hop_slope})")
         check_int("scale_steps", self.scale_steps, 1, 4)
@@ -349,11 +375,72 @@ class DynamiqCodec(Codec):
         sb, eb = self._header_bytes(length)
         return sb + eb + (self._budget(length, ctx) + 7) // 8
 
+    def _pooled_bytes(self, numel: int, ctx: HopContext | None) -> torch.Tensor | None:
+        """Container bytes of each span of ``numel`` values at ``ctx.offset`` from the
+        prologue's result (int64, CPU), or ``None``: every span has the uniform budget."""
+        if self.pooling != "bucket" or ctx is None or ctx.shared is None:
+            return None
+        return _pool.chunk_budgets(self, ctx.shared, numel, ctx.offset, self._bits_at(ctx))
+
+    def _span_budgets(self, numel: int, ctx: HopContext | None) -> torch.Tensor:
+        """The budget (bits) of each span of ``numel`` values (int64, CPU)."""
+        pooled = self._pooled_bytes(numel, ctx)
+        if pooled is not None:
+            return pooled * 8
+        full, rest = divmod(numel, self.span)
+        out = torch.full((full + (1 if rest else 0),), self._budget(self.span, ctx))
+        if rest:
+            out[-1] = self._budget(rest, ctx)
+        return out
+
+    def _span_offsets(self, numel: int, budgets: torch.Tensor) -> list[int]:
+        """Byte offset of each span's payload, and the total (``len(budgets) + 1`` ints)."""
+        rest = numel % self.span
+        sizes = (budgets + 7) // 8 + sum(self._header_bytes(self.span))
+        if rest:
+            sizes[-1] += sum(self._header_bytes(rest)) - sum(self._header_bytes(self.span))
+        return [0, *torch.cumsum(sizes, 0).tolist()]
+
     def encoded_nbytes(self, numel: int, ctx: HopContext | None = None) -> int:
+        pooled = self._pooled_bytes(numel, ctx)
+        if pooled is not None:
+            return self._span_offsets(numel, pooled * 8)[-1]
         full, rest = divmod(numel, self.span)
         return full * self._span_bytes(self.span, ctx) + (
             self._span_bytes(rest, ctx) if rest else 0
         )
+
+    def check_range(self, x: torch.Tensor, ctx: HopContext | None) -> None:
+        """Raise ``ValueError`` for a finite ``|x|`` beyond ``max_input_abs`` (its
+        super-group's scale would round up to infinity). In a collective the prologue has
+        checked every rank's input already (``ctx.shared`` holds its result): no pass here."""
+        if ctx is not None and ctx.shared is not None and _pool.SHARED_KEY in ctx.shared:
+            return
+        if x.numel() == 0:
+            return
+        big = float(torch.where(torch.isfinite(x), x.abs(), 0).amax())
+        if big > self.max_input_abs:
+            raise ValueError(
+                f"dynamiq: |x| = {big!r} exceeds max_input_abs={self.max_input_abs!r} (its "
+                f"super-group scale would round up to infinity)"
+            )
+
+    # -- prologue: the bucket's statistics --------------------------------------------------
+
+    def prologue(self, x: torch.Tensor, comm: Any) -> dict[str, Any] | None:
+        """``pooling="bucket"``: agree on every span's statistic by one exact all-reduce
+        (max) of int16s, and check the input range on every rank (see
+        :mod:`dynamiq.codecs._dynamiq_pool`); ``None`` for ``pooling="span"``."""
+        if self.pooling != "bucket":
+            return None
+        from dynamiq.collectives.handshake import allreduce_exact  # not at import: cycle
+
+        # the collective's chunks, if its communicator says (every chunk, and so every
+        # round's message, then has the bytes of the uniform budget), else the whole buffer
+        regions = _pool.regions_of(self, x.numel(), getattr(comm, "chunks", None))
+        stats = _pool.span_statistics(self, x, comm.rank, regions)
+        reduced = allreduce_exact(comm, stats, "max")
+        return _pool.shared_from_statistics(self, reduced, x.numel(), comm.world_size, regions)
 
     def _blocks(self, numel: int, compiled_op: str | None = None) -> list[tuple[int, int, int]]:
         """``(first span, spans, length)`` of each block processed together: runs of full
@@ -432,14 +519,16 @@ class DynamiqCodec(Codec):
         n_gp = self._padded(length) // self.group
         ep = torch.full((1, n_gp), _E_MAX, dtype=torch.int64, device=e.device)
         ep[0, :n_g] = e
-        return self._widths_rows(s_sg.unsqueeze(0), ep, length, budget)[0, :n_g]
+        b = torch.tensor([[budget]], device=e.device)
+        return self._widths_rows(s_sg.unsqueeze(0), ep, length, b)[0, :n_g]
 
     def _widths_rows(
-        self, s_sg: torch.Tensor, e: torch.Tensor, length: int, budget: int
+        self, s_sg: torch.Tensor, e: torch.Tensor, length: int, budget: torch.Tensor
     ) -> torch.Tensor:
         """Bits per element of each group ``[m, n_g]`` of ``m`` spans of ``length`` values,
         from integer scale codes only (both sides): ``s_sg`` ``[m, n_sg]`` (non-finite scales
-        already zeroed), ``e`` ``[m, n_g]`` (groups past ``length`` are padding: width 0)."""
+        already zeroed), ``e`` ``[m, n_g]`` (groups past ``length`` are padding: width 0),
+        ``budget`` ``[m, 1]`` (int64: each span's bits)."""
         m, n_gp = e.shape
         g, k, dev = self.group, self.scale_steps, e.device
         start = torch.arange(n_gp, device=dev) * g
@@ -448,7 +537,7 @@ class DynamiqCodec(Codec):
         live = (self._per_group(s_sg) > 0) & (sizes > 0)
         if not self.pooled:
             # ablation: every group gets the same width (no variable bit-width)
-            flat = min(_MAX_W, budget // max(length, 1))
+            flat = (budget // max(length, 1)).clamp(max=_MAX_W)
             return torch.where(live, flat, 0).to(torch.int64)
         # reverse water-filling by marginal gain: the next bit of group g at width w is worth
         # s_g^2 (D(w) - D(w + 1)), D the fitted tables' distortion; in integers, 4k log2 of it:
@@ -488,7 +577,7 @@ class DynamiqCodec(Codec):
             # bisection, a fixed number of steps
             for _ in range(n_tau.bit_length()):
                 mid = (lo + hi) >> 1  # floor((lo + hi) / 2)
-                fits = cost(mid.unsqueeze(1)).squeeze(1) <= budget
+                fits = cost(mid.unsqueeze(1)).squeeze(1) <= budget.squeeze(1)
                 hi = torch.where(fits, mid, hi)
                 lo = torch.where(fits, lo, mid + 1)
             tau = lo
@@ -562,32 +651,38 @@ class DynamiqCodec(Codec):
     def _encode(self, x: torch.Tensor, ctx: HopContext, *, compiled: bool = False) -> torch.Tensor:
         """The reference encode; ``compiled``: the CPU fast path's compiled block functions
         (what :mod:`dynamiq.kernels` asks for when ``DYNAMIQ_CPU_COMPILE=1``), same bytes."""
-        out = torch.empty(self.encoded_nbytes(x.numel(), ctx), dtype=torch.uint8, device=x.device)
+        n = x.numel()
+        self.check_range(x, ctx)
+        budgets = self._span_budgets(n, ctx)
+        offs = self._span_offsets(n, budgets)
+        out = torch.empty(offs[-1], dtype=torch.uint8, device=x.device)
         tables = self._tables(x.device)
-        for first, m, length in self._blocks(x.numel(), "encode" if compiled else None):
-            pos = first * self._span_bytes(self.span, ctx)
-            size = m * self._span_bytes(length, ctx)
+        for first, m, length in self._blocks(n, "encode" if compiled else None):
+            b = budgets[first : first + m]
             rows = self._run("encode", compiled, length)(
                 self._rows(x, first, m, length),
                 length,
-                self._budget(length, ctx),
+                b.view(m, 1).to(x.device),
+                (int(b.max()) + 7) // 8,
                 tables,
                 self._dither(ctx, first, m, length, x.device),
             )
-            out[pos : pos + size] = rows.view(-1)
+            out[offs[first] : offs[first + m]] = _compact(rows, offs[first : first + m + 1])
         return out
 
     def _encode_rows(
         self,
         x3: torch.Tensor,
         length: int,
-        budget: int,
+        budget: torch.Tensor,
+        nbytes: int,
         tables: _Tables,
         u: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The wire bytes ``[m, span bytes]`` of ``m`` spans ``[m, n_g, group]`` (fp32) of
-        ``length`` values each (padding zero), a ``budget`` bits container each; ``u``: the
-        dither (``None``: nearest)."""
+        """The wire bytes ``[m, header + nbytes]`` of ``m`` spans ``[m, n_g, group]`` (fp32)
+        of ``length`` values each (padding zero), containers of ``budget`` ``[m, 1]`` bits
+        each (zero bytes past a span's own container, up to ``nbytes``); ``u``: the dither
+        (``None``: nearest)."""
         m, _, g = x3.shape
         n_g = -(-length // g)
         s_sg, e = self._scale_codes(x3.abs().amax(dim=2))
@@ -599,7 +694,6 @@ class DynamiqCodec(Codec):
         if length % g:  # the padding of the short last group packs as zeros
             code[:, n_g - 1, length - (n_g - 1) * g :] = 0
         sb, eb = self._header_bytes(length)
-        nbytes = (budget + 7) // 8
         bits16 = (s_sg.view(torch.int32) >> 16) & 0xFFFF  # the bf16 bit patterns
         header = torch.stack([bits16 & 255, bits16 >> 8], dim=2).view(m, sb)
         return torch.cat(
@@ -613,21 +707,28 @@ class DynamiqCodec(Codec):
         """The reference decode (``compiled``: as for :meth:`_encode`)."""
         out = torch.empty(numel, dtype=torch.float32, device=payload.device)
         tables = self._tables(payload.device)
+        budgets = self._span_budgets(numel, ctx)
+        offs = self._span_offsets(numel, budgets)
         for first, m, length in self._blocks(numel, "decode" if compiled else None):
-            pos = first * self._span_bytes(self.span, ctx)
-            size = m * self._span_bytes(length, ctx)
+            b = budgets[first : first + m]
             vals = self._run("decode", compiled, length)(
-                payload[pos : pos + size].view(m, -1), length, self._budget(length, ctx), tables
+                _expand(
+                    payload, offs[first : first + m + 1], (int(b.max()) + 7) // 8, self, length
+                ),
+                length,
+                b.view(m, 1).to(payload.device),
+                tables,
             )
             a = first * self.span
             out[a : a + m * length] = vals.view(m, -1)[:, :length].reshape(-1)
         return out
 
     def _decode_rows(
-        self, p2: torch.Tensor, length: int, budget: int, tables: _Tables
+        self, p2: torch.Tensor, length: int, budget: torch.Tensor, tables: _Tables
     ) -> torch.Tensor:
         """Values ``[m, n_g, group]`` (fp32; padding included) of ``m`` spans of ``length``
-        values from their wire bytes ``[m, span bytes]`` (containers of ``budget`` bits)."""
+        values from their wire bytes ``[m, header + container]`` (containers of ``budget``
+        ``[m, 1]`` bits, zero past them)."""
         m = p2.shape[0]
         g = self.group
         n_g = -(-length // g)
@@ -657,22 +758,25 @@ class DynamiqCodec(Codec):
         :meth:`_encode`): bit-identical to ``_encode(_decode(payload) + local, out_ctx)``."""
         numel = local.numel()
         dev = local.device
-        out = torch.empty(self.encoded_nbytes(numel, out_ctx), dtype=torch.uint8, device=dev)
+        b_in, b_out = self._span_budgets(numel, ctx), self._span_budgets(numel, out_ctx)
+        offs_in, offs = self._span_offsets(numel, b_in), self._span_offsets(numel, b_out)
+        out = torch.empty(offs[-1], dtype=torch.uint8, device=dev)
         tables = self._tables(dev)
         for first, m, length in self._blocks(numel, "reduce" if compiled else None):
-            pos_in = first * self._span_bytes(self.span, ctx)
-            pos = first * self._span_bytes(self.span, out_ctx)
-            size = m * self._span_bytes(length, out_ctx)
+            bi, bo = b_in[first : first + m], b_out[first : first + m]
             rows = self._run("reduce", compiled, length)(
-                payload[pos_in : pos_in + m * self._span_bytes(length, ctx)].view(m, -1),
+                _expand(
+                    payload, offs_in[first : first + m + 1], (int(bi.max()) + 7) // 8, self, length
+                ),
                 self._rows(local, first, m, length),
                 length,
-                self._budget(length, ctx),
-                self._budget(length, out_ctx),
+                bi.view(m, 1).to(dev),
+                bo.view(m, 1).to(dev),
+                (int(bo.max()) + 7) // 8,
                 tables,
                 self._dither(out_ctx, first, m, length, dev),
             )
-            out[pos : pos + size] = rows.view(-1)
+            out[offs[first] : offs[first + m]] = _compact(rows, offs[first : first + m + 1])
         return out
 
     def _reduce_rows(
@@ -680,8 +784,9 @@ class DynamiqCodec(Codec):
         p2: torch.Tensor,
         local3: torch.Tensor,
         length: int,
-        budget_in: int,
-        budget_out: int,
+        budget_in: torch.Tensor,
+        budget_out: torch.Tensor,
+        nbytes_out: int,
         tables: _Tables,
         u: torch.Tensor | None,
     ) -> torch.Tensor:
@@ -693,7 +798,7 @@ class DynamiqCodec(Codec):
             torch._dynamo.graph_break()
         if length < x3.shape[1] * self.group:  # keep the padding zero
             x3.view(-1)[length:] = 0.0
-        return self._encode_rows(x3, length, budget_out, tables, u)
+        return self._encode_rows(x3, length, budget_out, nbytes_out, tables, u)
 
     # -- error bound --------------------------------------------------------------------
 
@@ -706,10 +811,11 @@ class DynamiqCodec(Codec):
             xf = x.float()
             units = self._tables(x.device).units
             out = torch.empty(xf.numel(), dtype=torch.float64, device=x.device)
+            budgets = self._span_budgets(xf.numel(), ctx)
             for first, m, length in self._blocks(xf.numel()):
                 x3 = self._rows(xf, first, m, length)
                 s_sg, e, a_g = self._stats(x3)
-                budget = self._budget(length, ctx)
+                budget = budgets[first : first + m].view(m, 1).to(x.device)
                 s_fin = torch.where(torch.isfinite(s_sg), s_sg, 0.0)
                 w = self._widths_rows(s_fin, e, length, budget)
                 s_g = self._group_scale(self._per_group(s_sg), e).double()
@@ -743,6 +849,38 @@ class DynamiqCodec(Codec):
         return ErrorBound(
             formula=formula, unbiased=stochastic, max_abs=max_abs, witness=witness, var=None
         )
+
+
+def _compact(rows: torch.Tensor, offs: list[int]) -> torch.Tensor:
+    """Rows ``[m, width]`` of spans whose wire sizes are the differences of ``offs``
+    (``m + 1`` byte offsets), each one's leading bytes, back to back."""
+    m, width = rows.shape
+    sizes = [b - a for a, b in itertools.pairwise(offs)]
+    if min(sizes) == width:
+        return rows.reshape(-1)
+    keep = torch.arange(width, device=rows.device) < torch.tensor(sizes, device=rows.device).view(
+        m, 1
+    )
+    return rows[keep]
+
+
+def _expand(
+    payload: torch.Tensor, offs: list[int], nbytes: int, codec: DynamiqCodec, length: int
+) -> torch.Tensor:
+    """The spans of ``payload[offs[0]:offs[-1]]`` as rows ``[m, header + nbytes]``, each
+    zero past its own bytes (the inverse of :func:`_compact`)."""
+    m = len(offs) - 1
+    width = sum(codec._header_bytes(length)) + nbytes
+    flat = payload[offs[0] : offs[-1]]
+    sizes = [b - a for a, b in itertools.pairwise(offs)]
+    if min(sizes) == width:
+        return flat.view(m, width)
+    keep = torch.arange(width, device=flat.device) < torch.tensor(sizes, device=flat.device).view(
+        m, 1
+    )
+    rows = torch.zeros(m, width, dtype=torch.uint8, device=flat.device)
+    rows[keep] = flat
+    return rows
 
 
 def _bf16_value(bits: torch.Tensor) -> torch.Tensor:

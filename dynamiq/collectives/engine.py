@@ -337,6 +337,10 @@ class ScheduleRun:
         if not callable(getattr(self.codec, "prologue", None)):
             return False
         comm = PrologueComm(self.transport, self.config.timeout)
+        cfg = self.config
+        comm.chunks, _ = chunk_layout(
+            self.x.numel(), self.schedule, self.codec, cfg.sub_chunk, cfg.chunk_bounds
+        )
         self.shared = run_prologue(self.codec, self.x, comm)
         self.result.bytes_sent += comm.bytes_sent
         self.result.bytes_received += comm.bytes_received

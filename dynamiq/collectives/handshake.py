@@ -32,7 +32,7 @@ import torch
 
 from dynamiq.codecs import Codec
 
-from .transport import Transport, Work
+from .transport import LocalCluster, Transport, Work, run_threads
 
 __all__ = [
     "WIRE_VERSION",
@@ -40,7 +40,9 @@ __all__ = [
     "ConfigMismatchError",
     "PrologueComm",
     "agree",
+    "allreduce_exact",
     "describe_difference",
+    "local_prologues",
     "run_prologue",
 ]
 
@@ -72,6 +74,34 @@ class Communicator(Protocol):
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]: ...
 
 
+_OPS = ("max", "min", "sum")
+
+
+def _combine(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor:
+    if op == "sum":
+        return a + b
+    return torch.maximum(a, b) if op == "max" else torch.minimum(a, b)
+
+
+def allreduce_exact(comm: Any, tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """The element-wise ``op`` (``"max"``, ``"min"`` or ``"sum"``) of every rank's integer
+    ``tensor``: the communicator's own ``allreduce(tensor, op)`` when it has one (the
+    engine's :class:`PrologueComm`: a ring, ``2 (n - 1) / n`` times the tensor's bytes per
+    rank), else its all-gather, reduced here. Exact (integers), so every rank gets the same."""
+    if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
+        raise TypeError(f"allreduce_exact takes an integer tensor (got {tensor.dtype})")
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {_OPS} (got {op!r})")
+    own = getattr(comm, "allreduce", None)
+    if callable(own):
+        return own(tensor, op)
+    parts = comm.allgather(tensor)
+    out = parts[0].clone()
+    for p in parts[1:]:
+        out = _combine(out, p, op)
+    return out
+
+
 def run_prologue(codec: Codec, x: torch.Tensor, comm: Communicator) -> dict[str, Any] | None:
     """Run ``codec``'s prologue on this rank's whole buffer ``x`` with ``comm``; return what
     every encoding needs as ``HopContext.shared`` (``None`` when the codec has no prologue).
@@ -89,10 +119,33 @@ def run_prologue(codec: Codec, x: torch.Tensor, comm: Communicator) -> dict[str,
     return shared
 
 
+def local_prologues(
+    codec: Codec,
+    xs: list[torch.Tensor],
+    chunks: list[tuple[int, int]] | None = None,
+    timeout: float = 300.0,
+) -> tuple[list[dict[str, Any] | None], list[PrologueComm]]:
+    """Run ``codec``'s prologue on in-process ranks (threads over a
+    :class:`~dynamiq.collectives.transport.LocalCluster`), rank ``r`` on ``xs[r]``, with the
+    collective's ``chunks`` (``PrologueComm.chunks``): every rank's ``HopContext.shared``, and
+    the communicators (their byte counts)."""
+    n = len(xs)
+    cluster = LocalCluster(n)
+    comms = [PrologueComm(cluster.transport(r), timeout) for r in range(n)]
+    for comm in comms:
+        comm.chunks = None if chunks is None else list(chunks)
+    shared = run_threads(
+        n, lambda r: run_prologue(codec, xs[r], comms[r]), on_error=cluster.aborted.set
+    )
+    return shared, comms
+
+
 class PrologueComm:
     """A :class:`Communicator` over a :class:`~dynamiq.collectives.transport.Transport`:
-    the all-gather is a send to and a receive from every other rank; its bytes are counted in
-    ``bytes_sent`` and ``bytes_received``. Every wait on a peer is bounded by ``timeout``."""
+    the all-gather is a send to and a receive from every other rank, the exact all-reduce a
+    ring; their bytes are counted in ``bytes_sent`` and ``bytes_received``. Every wait on a
+    peer is bounded by ``timeout``. ``chunks``: the engine's chunk bounds, set before the
+    prologue runs (``None`` outside the engine)."""
 
     def __init__(self, transport: Transport, timeout: float):
         self.transport = transport
@@ -101,6 +154,8 @@ class PrologueComm:
         self.timeout = timeout
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: the collective's chunks (``[start, end)`` each), for a prologue that pools per chunk
+        self.chunks: list[tuple[int, int]] | None = None
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype everywhere), indexed by rank."""
@@ -114,6 +169,41 @@ class PrologueComm:
         self.bytes_sent += nbytes * (self.world_size - 1)
         self.bytes_received += nbytes * (self.world_size - 1)
         return out
+
+    def allreduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """The element-wise ``op`` of every rank's integer ``tensor`` (same shape and dtype
+        everywhere) by a ring: a reduce-scatter, then an all-gather, ``2 (n - 1)`` rounds of
+        one message to the next rank and one from the previous, ``2 (n - 1) / n`` times the
+        tensor's bytes in all (use :func:`allreduce_exact`, which checks the arguments)."""
+        n, r = self.world_size, self.rank
+        out = tensor.detach().reshape(-1).clone()
+        if n == 1 or out.numel() == 0:
+            return out.view(tensor.shape)
+        bounds = [out.numel() * i // n for i in range(n + 1)]
+        nxt, prv = (r + 1) % n, (r - 1) % n
+
+        def piece(i: int) -> torch.Tensor:
+            i %= n
+            return out[bounds[i] : bounds[i + 1]]
+
+        for step in range(2 * (n - 1)):
+            reducing = step < n - 1
+            s = step if reducing else step - (n - 1)
+            send = piece(r - s) if reducing else piece(r + 1 - s)
+            dst = piece(r - s - 1) if reducing else piece(r - s)
+            got = torch.empty_like(dst)
+            works = []
+            if got.numel():
+                works.append(self.transport.irecv(got, prv))
+            if send.numel():
+                works.append(self.transport.isend(send.contiguous(), nxt))
+            for w in works:
+                w.wait(self.timeout)
+            self.bytes_sent += send.numel() * send.element_size()
+            self.bytes_received += got.numel() * got.element_size()
+            if got.numel():
+                dst.copy_(_combine(dst, got, op) if reducing else got)
+        return out.view(tensor.shape)
 
 
 # -- agreement ----------------------------------------------------------------------------------

@@ -42,10 +42,10 @@ from dynamiq.codecs.passthrough import BF16Codec, FP16Codec, FP32Codec
 
 from .bounds import fp32_add_slack as _slack
 from .bounds import group_size as _group_size
-from .engine import EngineResult, PrologueComm
+from .engine import EngineResult
+from .handshake import local_prologues
 from .planning import CtxKey, Plan, chunk_layout
 from .schedules import Schedule
-from .transport import LocalCluster, run_threads
 
 __all__ = ["SimRun", "batch_fields", "simulate_schedule"]
 
@@ -427,11 +427,9 @@ class _Sim:
         if not callable(fn):
             return
         t = time.perf_counter()
-        cluster = LocalCluster(self.n)
-        comms = [PrologueComm(cluster.transport(r), 300.0) for r in range(self.n)]
-        self.shared = run_threads(
-            self.n, lambda r: fn(xs[r], comms[r]), on_error=cluster.aborted.set
-        )
+        # the engine's chunks, as its prologue gets them
+        shared, comms = local_prologues(codec, list(xs), list(self.bounds))
+        self.shared = list(shared)
         for r, comm in enumerate(comms):
             self.sent[r] += comm.bytes_sent
             self.received[r] += comm.bytes_received

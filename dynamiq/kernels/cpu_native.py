@@ -114,7 +114,7 @@ FLAGS = (
     "-std=c++17",
 )
 _LINK = ("-pthread",)
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 
 
 class CPUKernelsUnavailableWarning(RuntimeWarning):
@@ -189,6 +189,10 @@ class _DynArgs(ctypes.Structure):
         ("budget_in_last", ctypes.c_int64),
         ("budget_out_full", ctypes.c_int64),
         ("budget_out_last", ctypes.c_int64),
+        ("budget_in_of", ctypes.c_void_p),
+        ("budget_out_of", ctypes.c_void_p),
+        ("offset_in_of", ctypes.c_void_p),
+        ("offset_out_of", ctypes.c_void_p),
         ("key0", ctypes.c_uint32),
         ("key1", ctypes.c_uint32),
         ("shift_key0", ctypes.c_uint32),
@@ -528,6 +532,7 @@ def _run_dynamiq(
     rest = n % codec.span
     key0, key1 = hash_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank)
     shift0, shift1 = hash_keys(ctx.seed, ctx.step, 0xFFFFFFFF, 0xFFFFFFFF)
+    pooled, keep = _pooled_args(codec, n, ctx, in_ctx)
     args = _DynArgs(
         op=_OP[op],
         n=n,
@@ -550,10 +555,31 @@ def _run_dynamiq(
         hop=ctx.hop,
         num_hops=ctx.num_hops,
         num_hops_f32=float(ctx.num_hops),  # rounded to fp32 as torch divides by it
+        **pooled,
         **{name: t.data_ptr() for name, t in tables.items()},
         **ptrs,
     )
     _check_status(lib.dq_dyn_run(ctypes.byref(args)))
+    del keep  # the pooled budgets and offsets live until the kernel is done
+
+
+def _pooled_args(
+    codec: Any, n: int, ctx: HopContext, in_ctx: HopContext
+) -> tuple[dict[str, int | None], list[torch.Tensor]]:
+    """The per-span budgets and payload offsets of a ``pooling="bucket"`` codec (pointers,
+    and the tensors that own them), or null pointers when every span has the uniform one."""
+    ptrs: dict[str, int | None] = {}
+    keep: list[torch.Tensor] = []
+    for side, c in (("in", in_ctx), ("out", ctx)):
+        pooled = codec._pooled_bytes(n, c)
+        if pooled is None:
+            ptrs[f"budget_{side}_of"] = ptrs[f"offset_{side}_of"] = None
+            continue
+        bits = (pooled * 8).contiguous()
+        offs = torch.tensor(codec._span_offsets(n, bits)[:-1], dtype=torch.int64)
+        keep += [bits, offs]
+        ptrs[f"budget_{side}_of"], ptrs[f"offset_{side}_of"] = bits.data_ptr(), offs.data_ptr()
+    return ptrs, keep
 
 
 @functools.lru_cache(maxsize=32)
@@ -648,6 +674,9 @@ def encode(codec: Codec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
     """``codec.encode(x, ctx)`` by the native CPU kernel."""
     _check_device(x)
     _check_values("x", x)
+    check_range = getattr(codec, "check_range", None)  # DynamiQ: outside a collective
+    if callable(check_range):
+        check_range(x, ctx)
     n = x.numel()
     out = torch.empty(codec.encoded_nbytes(n, ctx) or 0, dtype=torch.uint8)
     if n:

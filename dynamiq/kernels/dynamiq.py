@@ -275,6 +275,22 @@ def _map_span(numel, SPAN: tl.constexpr, SG: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
+def _span_site(base_ptr, pool_ptr, span, span_bytes, b_full, b_last, POOL: tl.constexpr):
+    """A span's payload and its container bits (full span, last span): at multiples of
+    ``span_bytes`` with the uniform budgets, or (POOL) from the pooled table's row
+    ``[budget bits, byte offset]``."""
+    ptr = base_ptr + span * span_bytes
+    bf = b_full
+    bl = b_last
+    if POOL:
+        b = tl.load(pool_ptr + 2 * span).to(tl.int32)
+        ptr = base_ptr + tl.load(pool_ptr + 2 * span + 1)
+        bf = b
+        bl = b
+    return ptr, bf, bl
+
+
+@triton.jit
 def _span_body(span_ptr, hbytes, last, budget_full, budget_last, n):
     """The body of a span payload: its container bits (the last span's may differ), its first
     byte, its bytes, and the width of every live group when not pooled."""
@@ -553,6 +569,8 @@ def _dq_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, 
     stat_ptr,  # int32 scratch [spans, NG]: group absmax bits, then group levels
     lin_ptr,  # int32 scratch [spans, NG]: group levels of the incoming span (FUSED)
     pack_ptr,  # int32 scratch [spans, BSG * CG * GP + 2]: the packer's run sums
+    in_pool_ptr,  # int64 [spans, 2] (POOL_IN): each incoming span's budget bits, byte offset
+    out_pool_ptr,  # int64 [spans, 2] (POOL_OUT): the same for the output payload
     # sizes
     numel,
     in_span_bytes,  # bytes of a full span in the incoming payload
@@ -571,6 +589,8 @@ def _dq_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, 
     num_hops,
     # meta-parameters
     FUSED: tl.constexpr,  # reduce: values = decode(in payload) + local
+    POOL_IN: tl.constexpr,  # the incoming spans' budgets from in_pool_ptr (pooling="bucket")
+    POOL_OUT: tl.constexpr,
     IN_KIND: tl.constexpr,  # 0 fp32, 1 bf16, 2 fp16
     SPAN: tl.constexpr,
     SG: tl.constexpr,
@@ -604,8 +624,10 @@ def _dq_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, 
     # -- map program -> one span
     span, start, n, last, ng, nsg, ebase, hbytes = _map_span(numel, SPAN, SG, G)
     x_span = x_ptr + start
-    out = out_ptr + span * out_span_bytes
-    budget, body, nbody, flat = _span_body(out, hbytes, last, out_budget, out_budget_last, n)
+    out, ob_full, ob_last = _span_site(
+        out_ptr, out_pool_ptr, span, out_span_bytes, out_budget, out_budget_last, POOL_OUT
+    )
+    budget, body, nbody, flat = _span_body(out, hbytes, last, ob_full, ob_last, n)
     stat = stat_ptr + span * NG
     NE: tl.constexpr = BSG * CG * GP
     pack = pack_ptr + span * (NE + 2)
@@ -613,10 +635,10 @@ def _dq_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, 
     Q = (Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7)
 
     # -- 1. the incoming span's allocation (FUSED)
-    inp = in_ptr + span * in_span_bytes
-    in_budget_n, in_body, in_nbody, in_flat = _span_body(
-        inp, hbytes, last, in_budget, in_budget_last, n
+    inp, ib_full, ib_last = _span_site(
+        in_ptr, in_pool_ptr, span, in_span_bytes, in_budget, in_budget_last, POOL_IN
     )
+    in_budget_n, in_body, in_nbody, in_flat = _span_body(inp, hbytes, last, ib_full, ib_last, n)
     in_tau = zero
     in_left = zero
     if FUSED and POOLED:
@@ -663,12 +685,14 @@ def _dq_decode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, 
     out_ptr,  # fp32 values
     tab_ptr,  # fp32: level tables, then the scale steps
     lin_ptr,  # int32 scratch [spans, NG]: group levels
+    in_pool_ptr,  # int64 [spans, 2] (POOL_IN): each span's budget bits and byte offset
     # sizes
     numel,
     in_span_bytes,
     in_budget,
     in_budget_last,
     # meta-parameters
+    POOL_IN: tl.constexpr,
     SPAN: tl.constexpr,
     SG: tl.constexpr,
     G: tl.constexpr,
@@ -698,8 +722,10 @@ def _dq_decode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size, 
 
     # -- map program -> one span
     span, start, n, last, ng, nsg, ebase, hbytes = _map_span(numel, SPAN, SG, G)
-    inp = in_ptr + span * in_span_bytes
-    budget, body, nbody, flat = _span_body(inp, hbytes, last, in_budget, in_budget_last, n)
+    inp, ib_full, ib_last = _span_site(
+        in_ptr, in_pool_ptr, span, in_span_bytes, in_budget, in_budget_last, POOL_IN
+    )
+    budget, body, nbody, flat = _span_body(inp, hbytes, last, ib_full, ib_last, n)
     zero = tl.full([], 0, tl.int32)
     Q = (Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7)
 
@@ -739,6 +765,19 @@ class _Plan:
     budget_last: int  # of the last span (partial or full)
 
 
+def _pool_table(
+    codec: DynamiqCodec, numel: int, ctx: HopContext, device: torch.device
+) -> torch.Tensor | None:
+    """``[spans, 2]`` int64: each span's budget (bits) and payload offset (bytes) under
+    ``pooling="bucket"`` with the prologue's result in ``ctx``, else ``None`` (uniform)."""
+    pooled = codec._pooled_bytes(numel, ctx)
+    if pooled is None:
+        return None
+    bits = pooled * 8
+    offs = torch.tensor(codec._span_offsets(numel, bits)[:-1], dtype=torch.int64)
+    return torch.stack([bits, offs], dim=1).contiguous().to(device)
+
+
 def _plan(codec: DynamiqCodec, numel: int, ctx: HopContext) -> _Plan:
     spans = -(-numel // codec.span)
     last = numel - (spans - 1) * codec.span
@@ -747,7 +786,8 @@ def _plan(codec: DynamiqCodec, numel: int, ctx: HopContext) -> _Plan:
     span_bytes = 2 * n_sg + (n_g * 4 + 7) // 8 + (budget + 7) // 8
     last_bytes = -(-last // codec.super_group) * 2 + (-(-last // codec.group) * 4 + 7) // 8
     total = (spans - 1) * span_bytes + last_bytes + (budget_last + 7) // 8
-    if total != codec.encoded_nbytes(numel, ctx):  # the layout must be the reference's
+    if codec._pooled_bytes(numel, ctx) is None and total != codec.encoded_nbytes(numel, ctx):
+        # the layout must be the reference's (pooled budgets: from the per-span table)
         raise RuntimeError(
             f"dynamiq kernels: {total} payload bytes planned for {numel} values, but the "
             f"codec encodes them in {codec.encoded_nbytes(numel, ctx)}"
@@ -834,12 +874,16 @@ def _encode_into(
     stat = _scratch(plan.spans, meta["NG"], device)
     lin = _scratch(plan.spans, meta["NG"], device) if incoming is not None else stat
     pack = _scratch(plan.spans, ne + 2, device)
+    out_pool = _pool_table(codec, numel, out_ctx, device)
+    in_pool = _pool_table(codec, numel, in_ctx, device) if incoming is not None else None
     _dq_encode_kernel[(plan.spans,)](
         xv, out if incoming is None else incoming, out, _table(codec, device), stat, lin, pack,
+        in_pool if in_pool is not None else stat, out_pool if out_pool is not None else stat,
         numel, in_plan.span_bytes, plan.span_bytes,
         in_plan.budget, in_plan.budget_last, plan.budget, plan.budget_last,
         out_ctx.offset, key0, key1, ckey0, ckey1, out_ctx.hop, out_ctx.num_hops,
-        FUSED=incoming is not None, IN_KIND=kind, MODE=mode, **meta,
+        FUSED=incoming is not None, POOL_IN=in_pool is not None, POOL_OUT=out_pool is not None,
+        IN_KIND=kind, MODE=mode, **meta,
         num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip
     record_launch("_dq_encode_kernel")
@@ -847,7 +891,9 @@ def _encode_into(
 
 
 def encode(codec: DynamiqCodec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
-    """``codec.encode(x, ctx)`` on the Triton backend."""
+    """``codec.encode(x, ctx)`` on the Triton backend (outside a collective, the input range
+    is checked first, as the reference does: one pass and a host read)."""
+    codec.check_range(x, ctx)
     return _encode_into(codec, x, None, ctx, ctx)
 
 
@@ -872,9 +918,11 @@ def decode(codec: DynamiqCodec, payload: torch.Tensor, numel: int, ctx: HopConte
     plan = _plan(codec, numel, ctx)
     meta = _meta(codec, numel, device)
     lin = _scratch(plan.spans, meta["NG"], device)
+    pool = _pool_table(codec, numel, ctx, device)
     _dq_decode_kernel[(plan.spans,)](
-        payload, out, _table(codec, device), lin, numel, plan.span_bytes, plan.budget,
-        plan.budget_last, **meta, num_warps=8, enable_fp_fusion=False,
+        payload, out, _table(codec, device), lin, pool if pool is not None else lin, numel,
+        plan.span_bytes, plan.budget, plan.budget_last, POOL_IN=pool is not None, **meta,
+        num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip
     record_launch("_dq_decode_kernel")
     return out

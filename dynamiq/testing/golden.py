@@ -33,6 +33,16 @@ EXTRA_FIXTURES: dict[str, dict[str, Any]] = {
         "ctx": {},
     },
     "int6_fp32": {"codec": {"id": "int", "bits": 6, "scale_format": "fp32"}, "ctx": {}},
+    "dynamiq_span": {
+        "codec": {
+            "id": "dynamiq",
+            "bits": 4.7,
+            "span": 65536,
+            "super_group": 1024,
+            "pooling": "span",
+        },
+        "ctx": {},
+    },
     "dynamiq_small_correlated": {
         "codec": {
             "id": "dynamiq",
@@ -47,7 +57,9 @@ EXTRA_FIXTURES: dict[str, dict[str, Any]] = {
     "dynamiq_uniform_stochastic": {
         "codec": {
             "id": "dynamiq",
+            "bits": 4.7,
             "span": 2048,
+            "super_group": 1024,
             "levels": "uniform",
             "rounding": "stochastic",
             "scale_steps": 1,

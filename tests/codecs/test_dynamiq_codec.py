@@ -193,7 +193,11 @@ def test_correlated_rounding_cancels_errors_across_hops() -> None:
     [
         ({"bits": 9}, ValueError, "bits must be in 0.5..8 (got 9)"),
         ({"bits": "4"}, TypeError, "bits must be a number"),
-        ({"span": 1536}, ValueError, "span (1536) must be a multiple of super_group"),
+        (
+            {"span": 1536, "super_group": 1024},
+            ValueError,
+            "span (1536) must be a multiple of super_group",
+        ),
         ({"levels": "lloyd"}, ValueError, "levels must be one of"),
         ({"rounding": "up"}, ValueError, "rounding must be one of"),
         ({"scale_steps": 5}, ValueError, "scale_steps must be in 1..4 (got 5)"),

@@ -115,7 +115,7 @@ def _job_dead_peer(rank: int, world: int, mode: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("mode", ["die", "stall"])
+@pytest.mark.parametrize("mode", [pytest.param("die", marks=pytest.mark.slow), "stall"])
 def test_dead_or_stalled_peer_raises_within_timeout(mode: str) -> None:
     results = run_gloo(_job_dead_peer, 3, mode, timeout=60, pg_timeout=30)
     for rank in (0, 2):

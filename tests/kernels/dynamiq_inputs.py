@@ -72,6 +72,13 @@ def check_all(
     ctx, out_ctx = pair
     n = x.numel()
     got, want = both(K.encode, codec, x, ctx, kernel=kernels[K.encode], fast=fast)
+    if want is None:
+        # both refused a finite value beyond max_input_abs (the same ValueError): encode
+        # the input clipped to it; the reduce below still adds the huge values as `local`
+        # where the other order of the pair passes them (a partial sum may overflow bf16)
+        big = torch.isfinite(x) & (x.abs() > codec.max_input_abs)
+        x = torch.where(big, torch.sign(x) * codec.max_input_abs, x).to(x.dtype)
+        got, want = both(K.encode, codec, x, ctx, kernel=kernels[K.encode], fast=fast)
     assert_bytes_equal(got, want, f"encode {what}")
     got_v, want_v = both(K.decode, codec, want, n, ctx, kernel=kernels[K.decode], fast=fast)
     assert_values_equal(got_v, want_v, f"decode {what}")

@@ -171,7 +171,7 @@ def test_offsets_across_2_63() -> None:
 
 
 def test_default_config_several_spans() -> None:
-    """The default codec (spans of 65536, groups of 16), 2 full spans and a short one."""
+    """The default codec (spans of 256, groups of 16): 21 full spans and a short one."""
     codec = get_codec("dynamiq")
     assert isinstance(codec, DynamiqCodec)
     n = 2 * codec.span + 5000
@@ -198,13 +198,18 @@ def test_arbitrary_payload_bytes(name: str) -> None:
 
 
 def test_nonfinite_super_groups_decode_to_nan() -> None:
-    """A super-group holding NaN gets the scale 0xFFFF, one holding ±Inf (or a finite value
-    above bf16's largest) 0x7F80; both decode to NaN, the other super-groups do not."""
+    """A super-group holding NaN gets the scale 0xFFFF, one holding ±Inf 0x7F80; both decode
+    to NaN, the other super-groups do not. A finite value above ``max_input_abs`` raises on
+    both backends."""
     codec = dq(**SMALL)
     x = random_values(1024, 5)
+    x[600] = 3.39e38  # finite, but above bf16's largest (3.3895e38): its scale would be Inf
+    for backend in ("reference", "cpu"):
+        with pytest.raises(ValueError, match="exceeds max_input_abs"):
+            K.encode(codec, x, HopContext(), backend=backend)
     x[10] = float("nan")
     x[300] = float("inf")
-    x[600] = 3.39e38  # finite, but above bf16's largest (3.3895e38): its scale is Inf
+    x[600] = float("inf")
     got, want = both(K.encode, "encode", codec, x, HopContext())
     assert_bytes_equal(got, want, "encode")
     scales = got[:8].view(torch.int16).tolist()

@@ -6,7 +6,7 @@ Every test computes the reference (``backend="reference"``) beside the kernel
 views of fp32 values (NaN by position: which NaN an fp32 add returns is the hardware's
 choice), with no tolerance, and checks that the kernel launched. Spans are small (1024
 values) so that Triton's interpreter runs every configuration in seconds; two tests run the
-default configuration (spans of 65536) on real gradients.
+default configuration (spans of 256, pooled over the bucket) on real gradients.
 
 Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` is set before
 Triton is imported and while these tests run: ``kernel_harness.py``); with CUDA the same
@@ -185,11 +185,12 @@ def test_real_gradients_small_spans() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_default_config_real_gradients(dtype: torch.dtype) -> None:
-    """The default codec (spans of 65536) on 1.5 spans of real gradients."""
+    """The default codec (spans of 256) on 40.4 spans of real gradients."""
     grads = load_slice()
     codec = get_codec("dynamiq")
-    x = grads[:3].reshape(-1).contiguous().to(DEVICE)
-    local = grads[3:6].reshape(-1).contiguous().to(dtype).to(DEVICE)
+    n = 40 * codec.span + 100
+    x = grads[:3].reshape(-1)[:n].contiguous().to(DEVICE)
+    local = grads[3:6].reshape(-1)[:n].contiguous().to(dtype).to(DEVICE)
     ctx = HopContext(seed=1, step=9, hop=0, num_hops=7, rank=3)
     check_all(codec, x, local, (ctx, HopContext(seed=1, step=9, hop=1, num_hops=7, rank=4)), "")
 
@@ -198,13 +199,18 @@ def test_default_config_real_gradients(dtype: torch.dtype) -> None:
 
 
 def test_nonfinite_super_groups_decode_to_nan() -> None:
-    """A super-group holding NaN gets a NaN scale, one holding ±Inf (or a finite value above
-    bf16's largest) the scale Inf; both decode to NaN, the other super-groups do not."""
+    """A super-group holding NaN gets a NaN scale, one holding ±Inf the scale Inf; both
+    decode to NaN, the other super-groups do not. A finite value above ``max_input_abs``
+    raises on both backends."""
     codec = get_codec(SMALL)
     x = random_values(1024, 5)
+    x[600] = 3.39e38  # finite, but above bf16's largest (3.3895e38): its scale would be Inf
+    for backend in ("reference", "triton"):
+        with pytest.raises(ValueError, match="exceeds max_input_abs"):
+            K.encode(codec, x.to(DEVICE), HopContext(), backend=backend)
     x[10] = float("nan")
     x[300] = float("inf")
-    x[600] = 3.39e38  # finite, but above bf16's largest (3.3895e38): its scale is Inf
+    x[600] = -float("inf")
     got, want = both(K.encode, codec, x.to(DEVICE))
     assert_bytes_equal(got, want, "encode")
     scales = [s & 0xFFFF for s in got.cpu()[:8].view(torch.int16).tolist()]

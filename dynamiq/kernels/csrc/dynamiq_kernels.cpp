@@ -70,6 +70,9 @@ struct DynJob {
   int op, in_kind, rounding, k, pooled;
   int64_t n, span, sg, g, per_sg;
   int64_t bud_in[2], bud_out[2];  // budgets (bits) of a full span and of the short last one
+  // pooled budgets (pooling="bucket"): each span's budget (bits) and its payload's offset
+  // (bytes); null: every span has the budgets above, at multiples of the full span's size
+  const int64_t *bud_in_of, *bud_out_of, *off_in, *off_out;
   uint32_t key0, key1, skey0, skey1;
   uint64_t offset, hop, num_hops;
   float hf;  // num_hops as fp32
@@ -135,6 +138,7 @@ struct Scratch {
     const Geo G = geometry(j, std::min(j.n, j.span));
     const int64_t padded = G.n_gp * j.g;
     int64_t max_body = std::max((j.bud_in[0] + 7) / 8, (j.bud_out[0] + 7) / 8);
+    if (j.bud_in_of || j.bud_out_of) max_body = std::max(max_body, j.span);  // <= 8 bits a value
     try {
       vals.resize((size_t)padded);
       gmax.resize((size_t)G.n_gp);
@@ -864,15 +868,17 @@ bool run_spans(const DynJob& j, int64_t s0, int64_t s1) {
     const int64_t start = si * j.span, padded = Gm.n_gp * j.g;
     float* scratch = sc.vals.data();
     const float* v = scratch;
+    const int64_t b_in = j.bud_in_of ? j.bud_in_of[si] : j.bud_in[last];
+    const int64_t b_out = j.bud_out_of ? j.bud_out_of[si] : j.bud_out[last];
+    const uint8_t* p_in = j.in + (j.off_in ? j.off_in[si] : si * in_stride);
+    uint8_t* p_out = j.out + (j.off_out ? j.off_out[si] : si * out_stride);
     if (j.op == 2) {  // decode
-      decode_span<G, 0, false>(j, Gm, j.in + si * in_stride, j.bud_in[last], nullptr,
-                               j.out_values + start, sc);
+      decode_span<G, 0, false>(j, Gm, p_in, b_in, nullptr, j.out_values + start, sc);
       continue;
     }
     const void* src = (const uint8_t*)j.x + start * es;
     if (j.op == 1) {  // reduce: the decoded incoming values plus the local ones
-      decode_span<G, KIND, true>(j, Gm, j.in + si * in_stride, j.bud_in[last], src, scratch,
-                                 sc);
+      decode_span<G, KIND, true>(j, Gm, p_in, b_in, src, scratch, sc);
       std::memset(scratch + len, 0, (size_t)(padded - len) * 4);  // the padding stays zero
     } else if (KIND == 0 && !last) {  // encode fp32 values where they are
       v = (const float*)src;
@@ -882,7 +888,7 @@ bool run_spans(const DynJob& j, int64_t s0, int64_t s1) {
       std::memset(scratch + len, 0, (size_t)(padded - len) * 4);
       group_absmax<G>(j, Gm, v, sc);
     }
-    encode_span<G>(j, Gm, si, j.bud_out[last], v, j.out + si * out_stride, sc);
+    encode_span<G>(j, Gm, si, b_out, v, p_out, sc);
   }
   return true;
 }
@@ -907,6 +913,10 @@ struct dq_dyn_args {
   int32_t scale_steps, pooled, rounding, nthreads;
   int64_t budget_in_full, budget_in_last;    // incoming payload (decode, reduce): ctx
   int64_t budget_out_full, budget_out_last;  // outgoing payload (encode, reduce): out_ctx
+  const int64_t* budget_in_of;               // [spans] or null: pooled budgets (bits)
+  const int64_t* budget_out_of;
+  const int64_t* offset_in_of;               // [spans] or null: each span's payload offset
+  const int64_t* offset_out_of;
   uint32_t key0, key1;                       // hash keys of the dither (out_ctx)
   uint32_t shift_key0, shift_key1;           // hash keys of the correlated shift
   uint64_t offset, hop, num_hops;            // out_ctx
@@ -942,6 +952,10 @@ int dq_dyn_run(dq_dyn_args* a) {
   j.bud_in[1] = a->budget_in_last;
   j.bud_out[0] = a->budget_out_full;
   j.bud_out[1] = a->budget_out_last;
+  j.bud_in_of = a->budget_in_of;
+  j.bud_out_of = a->budget_out_of;
+  j.off_in = a->offset_in_of;
+  j.off_out = a->offset_out_of;
   j.key0 = a->key0;
   j.key1 = a->key1;
   j.skey0 = a->shift_key0;

@@ -1,0 +1,311 @@
+"""Bucket-wide pooling of the DynamiQ codec's bit budget (docs/formats.md, "DynamiQ").
+
+With ``pooling="bucket"`` the budget of each span is not a constant: a **prologue** gives every
+rank the same per-span numbers, and from them alone every rank (sender and receiver alike)
+derives the same budget for every span of the collective buffer, in integer arithmetic.
+
+* **Demand** (:func:`span_statistics`): each rank pools ``floor(bits·N)`` bits over its own
+  whole buffer of ``N`` values, by the codec's own reverse water-filling over every group of the
+  buffer at once (one threshold for the buffer; non-finite values count as 0 and never enter
+  it), and counts the bits each span would get: its demand (bits, an int16, or an int32 for
+  spans of more than 4095 values). Two more slots follow: ``rank + 1`` if this rank holds a
+  finite value beyond ``max_input_abs`` (else 0), and the binade of its largest finite ``|x|``.
+* **Exchange**: one exact all-reduce (element-wise max) of those integers: the same bits/value
+  (``16 / span``) at any world size.
+* **Budgets** (:func:`span_budgets`): span ``b`` of agreed demand ``M_b`` gets
+  ``min(floor(M_b·B / ΣM / 8), len_b)`` bytes of ``B = 8·floor(floor(bits·N) / 8)`` bits, and
+  the bytes left over go one each, in span order, to the spans below ``len_b`` bytes (8 bits a
+  value). Inside a span the groups then share its budget by the span's own water-filling
+  (dynamiq_codec.py), which needs nothing from other spans, so results do not depend on how
+  the engine cuts the buffer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .formats import exponent_of
+
+if TYPE_CHECKING:
+    from .dynamiq_codec import DynamiqCodec
+
+__all__ = [
+    "SHARED_KEY",
+    "chunk_budgets",
+    "shared_from_statistics",
+    "span_budgets",
+    "span_statistics",
+]
+
+#: the key of the prologue's result in ``HopContext.shared``
+SHARED_KEY = "dynamiq.pool"
+#: each rank measures its demand at this many bits/value below the codec's ``bits``: the
+#: partial sums concentrate the budget more than one rank's gradient does (docs/benchmarks.md)
+DEMAND_OFFSET = 2.0
+#: the share of every span's budget that is uniform (hedges the demand's misprediction)
+UNIFORM_SHARE = 0.0
+#: largest bf16 value: a super-group scale beyond it would round up to infinity
+BF16_MAX = float.fromhex("0x1.fep127")
+
+
+def _dtype(codec: DynamiqCodec) -> torch.dtype:
+    return torch.int16 if 8 * codec.span < (1 << 15) else torch.int32
+
+
+def regions_of(
+    codec: DynamiqCodec, numel: int, regions: list[tuple[int, int]] | None
+) -> list[tuple[int, int]]:
+    """The non-empty ``[start, end)`` regions whose budgets are pooled apart, sorted (default:
+    the whole buffer); each has its own spans from its start (its last may be short).
+    Raises ``ValueError`` unless they partition ``[0, numel)``."""
+    if not regions:
+        return [(0, numel)] if numel else []
+    got = sorted((int(a), int(b)) for a, b in regions if b > a)
+    ok = bool(got) and got[0][0] == 0 and got[-1][1] == numel
+    if not ok or any(p[1] != q[0] for p, q in itertools.pairwise(got)):
+        raise ValueError(
+            f"dynamiq: pooling regions must partition [0, {numel}) (got {list(regions)[:4]}...)"
+        )
+    return got
+
+
+def _span_lengths(codec: DynamiqCodec, regions: list[tuple[int, int]]) -> torch.Tensor:
+    """The length of every span of every region, in order (int64)."""
+    out = []
+    for a, b in regions:
+        full, rest = divmod(b - a, codec.span)
+        out += [codec.span] * full + ([rest] if rest else [])
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def span_statistics(
+    codec: DynamiqCodec, x: torch.Tensor, rank: int, regions: list[tuple[int, int]]
+) -> torch.Tensor:
+    """This rank's statistics of its whole buffer ``x`` cut into ``regions``
+    (:func:`regions_of`): each span's demand (bits), then the bad-input flag and the largest
+    binade (see the module docstring)."""
+    flat = x.detach().reshape(-1)
+    n, span, g = flat.numel(), codec.span, codec.group
+    lens = _span_lengths(codec, regions)
+    n_spans = lens.numel()
+    out = torch.zeros(n_spans + 2, dtype=_dtype(codec))
+    if n == 0:
+        out[-1] = -150
+        return out
+    v = flat.float()
+    mag = torch.where(torch.isfinite(v), v.abs(), 0.0)
+    worst = float(mag.max())
+    # every region's values from its own start, each zero-padded to whole spans
+    parts = []
+    for a, b in regions:
+        parts += [mag[a:b], mag.new_zeros(-(b - a) % span)]
+    padded = torch.cat(parts)
+    a_g = padded.view(n_spans, -1, g).amax(dim=2)
+    s_sg, e = codec._scale_codes(a_g)
+    # one row of every super-group and group of the buffer: one threshold for all of it
+    notional = max(codec.bits - DEMAND_OFFSET, 0.5)
+    budget = torch.tensor([[math.floor(notional * n)]], device=v.device)
+    w = codec._widths_rows(s_sg.reshape(1, -1), e.reshape(1, -1), n_spans * span, budget)
+    start = torch.arange(span // g, device=v.device) * g
+    sizes = (lens.to(v.device).view(-1, 1) - start).clamp(0, g)  # padding groups weigh 0
+    demand = (w.view(n_spans, -1) * sizes).sum(dim=1)
+    out[:n_spans] = demand.to(out.dtype).cpu()
+    out[n_spans] = min(rank + 1, (1 << 15) - 1) if worst > codec.max_input_abs else 0
+    out[n_spans + 1] = int(exponent_of(torch.tensor([worst])).item()) if worst > 0 else -150
+    return out
+
+
+def shared_from_statistics(
+    codec: DynamiqCodec,
+    reduced: torch.Tensor,
+    numel: int,
+    world_size: int,
+    regions: list[tuple[int, int]],
+) -> dict[str, Any]:
+    """``HopContext.shared`` from the all-reduced (max) statistics of the buffer cut into
+    ``regions``; raises ``ValueError``, on every rank alike, for input beyond
+    ``max_input_abs`` on any rank, or partial sums that could grow beyond it."""
+    stats = reduced.to(torch.int64).cpu().reshape(-1)
+    lens = _span_lengths(codec, regions)
+    n_spans = lens.numel()
+    if stats.numel() != n_spans + 2:
+        raise ValueError(
+            f"dynamiq: {stats.numel()} statistics for a buffer of {numel} values "
+            f"({n_spans} spans + 2 expected)"
+        )
+    bad, top = int(stats[n_spans]), int(stats[n_spans + 1])
+    if bad:
+        raise ValueError(
+            f"dynamiq: rank {bad - 1} holds a value beyond max_input_abs="
+            f"{codec.max_input_abs!r} (a super-group scale would round up to infinity)"
+        )
+    # every decoded partial sum is within (1 + 2^-7) of its own absmax (the bf16 round-up),
+    # so c contributions of absmax <= A stay below c·A·(1 + 2^-7)^(c - 1)
+    c = max(world_size, 1)
+    log_growth = math.log2(c) + (c - 1) * math.log2(1 + 2.0**-7)
+    if top > -150 and top + 1 + log_growth > math.log2(codec.max_input_abs):
+        limit = 2.0 ** max(math.log2(codec.max_input_abs) - log_growth, -1074.0)
+        raise ValueError(
+            f"dynamiq: a value of |x| >= 2^{top} on some rank: partial sums of {c} ranks could "
+            f"exceed max_input_abs={codec.max_input_abs!r}; keep |x| below {limit:.3g}"
+        )
+    first = [0]
+    for a, b in regions:
+        first.append(first[-1] + -(-(b - a) // codec.span))
+    pool = Pool(
+        demand=stats[:n_spans].clamp(min=0).clone(),
+        lens=lens,
+        numel=numel,
+        regions=tuple(regions),
+        first=tuple(first),
+    )
+    return {SHARED_KEY: pool}
+
+
+@dataclass(eq=False)
+class Pool:
+    """The prologue's result (``HopContext.shared[SHARED_KEY]``): the agreed demand of every
+    span (bits, int64), the spans' lengths, the buffer's length, the regions and the index of
+    each region's first span (and one past the last); budgets are memoized per bits/value.
+    Equal when the agreed data are (every rank's are)."""
+
+    demand: torch.Tensor
+    lens: torch.Tensor
+    numel: int
+    regions: tuple[tuple[int, int], ...]
+    first: tuple[int, ...]
+    budgets: dict[float, torch.Tensor] = field(default_factory=dict)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Pool):
+            return NotImplemented
+        same = (self.numel, self.regions) == (other.numel, other.regions)
+        return same and torch.equal(self.demand, other.demand)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _segment_sum(values: torch.Tensor, seg: torch.Tensor, n_seg: int) -> torch.Tensor:
+    return torch.zeros(n_seg, dtype=values.dtype).index_add_(0, seg, values)
+
+
+def _spread(
+    out: torch.Tensor,
+    weight: torch.Tensor,
+    lens: torch.Tensor,
+    left: torch.Tensor,
+    seg: torch.Tensor,
+) -> torch.Tensor:
+    """``out`` plus each region's ``left`` bytes in proportion to ``weight`` among the spans
+    still below their cap ``lens`` (floored; never past the cap)."""
+    w = torch.where(out < lens, weight, 0)
+    tot = _segment_sum(w, seg, left.numel())
+    share = torch.where(tot[seg] > 0, w * left[seg] // tot[seg].clamp(min=1), 0)
+    return torch.minimum(out + share, lens)
+
+
+def _distribute(
+    demand: torch.Tensor, lens: torch.Tensor, seg: torch.Tensor, total: torch.Tensor
+) -> torch.Tensor:
+    """Bytes of every span: each segment's ``total`` shared among its spans (``seg``: each
+    span's segment) in proportion to ``demand``, at most ``lens`` (a byte a value) each; a
+    segment demanding nothing shares evenly."""
+    n_seg = total.numel()
+    seg_len = _segment_sum(lens, seg, n_seg)
+    want = _segment_sum(demand, seg, n_seg)
+    uni = torch.floor(UNIFORM_SHARE * 8 * total.double()).to(torch.int64)
+    uni = torch.where(want > 0, uni, 8 * total)
+    even = lens * uni[seg] // seg_len[seg].clamp(min=1)
+    prop = demand * (8 * total - uni)[seg] // want[seg].clamp(min=1)
+    out = torch.minimum((even + prop) // 8, lens)
+    weight = torch.where(want[seg] > 0, demand, lens)
+    for _ in range(32):  # what the caps turned away, to the spans below theirs
+        left = total - _segment_sum(out, seg, n_seg)
+        more = _spread(out, weight, lens, left, seg)
+        if torch.equal(more, out):
+            break
+        out = more
+    # the last bytes one each, in span order, to the spans below their cap
+    left = total - _segment_sum(out, seg, n_seg)
+    room = (out < lens).to(torch.int64)
+    cum = torch.cumsum(room, 0)
+    starts = torch.searchsorted(seg, torch.arange(n_seg))
+    before = torch.cat([torch.zeros(1, dtype=torch.int64), cum])[starts]
+    return out + (room.bool() & (cum - before[seg] <= left[seg])).to(torch.int64)
+
+
+def _region_totals(pooled: torch.Tensor, uniform: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    """Each region's bytes: what whole-buffer pooling gives it (``pooled``), at most ``cap``,
+    the excess moved to the regions below their cap in proportion to what they had."""
+    out = torch.minimum(pooled, cap)
+    zero = torch.zeros_like(out)
+    for _ in range(32):
+        left = int(uniform.sum() - out.sum())
+        room = out < cap
+        if left <= 0 or not bool(room.any()):
+            break
+        w = torch.where(room, pooled.clamp(min=1), 0)
+        share = w * left // int(w.sum())
+        if not bool(share.any()):  # the last bytes, one each in order
+            share = (room & (torch.cumsum(room.to(torch.int64), 0) <= left)).to(torch.int64)
+        out = torch.minimum(out + torch.maximum(share, zero), cap)
+    return out
+
+
+def span_budgets(pool: Pool, bits: float, balance: float) -> torch.Tensor:
+    """Bytes of every span's container (int64, CPU) for ``bits`` bits/value (memoized in
+    ``pool``): the buffer's ``floor(bits·N) // 8`` bytes shared among its spans in proportion
+    to their demand (at most a byte a value), each region holding at most ``balance`` times
+    its uniform share ``floor(bits·len) // 8`` (the excess goes to the others)."""
+    got = pool.budgets.get(bits)
+    if got is not None:
+        return got
+    demand, lens, first = pool.demand, pool.lens, list(pool.first)
+    n_seg = len(first) - 1
+    seg = torch.repeat_interleave(torch.arange(n_seg), torch.tensor(first).diff())
+    uniform = torch.tensor([math.floor(bits * (b - a)) // 8 for a, b in pool.regions])
+    whole = _distribute(demand, lens, torch.zeros_like(seg), uniform.sum().view(1))
+    pooled = _segment_sum(whole, seg, n_seg)
+    cap = torch.minimum(
+        torch.floor(uniform.double() * balance).to(torch.int64), _segment_sum(lens, seg, n_seg)
+    )
+    out = _distribute(demand, lens, seg, _region_totals(pooled, uniform, cap))
+    pool.budgets[bits] = out
+    return out
+
+
+def chunk_budgets(
+    codec: DynamiqCodec, shared: Any, numel: int, offset: int, bits: float
+) -> torch.Tensor | None:
+    """Bytes of the containers of the spans of ``numel`` values at global ``offset`` (int64,
+    CPU), or ``None`` when ``shared`` holds no pooling result (the uniform budget applies).
+    The values must be whole spans of one region (or end it)."""
+    pool = shared.get(SHARED_KEY) if shared is not None else None
+    if pool is None:
+        return None
+    if not isinstance(pool, Pool):
+        raise TypeError(f"dynamiq: shared[{SHARED_KEY!r}] is not this codec's prologue result")
+    span, regions = codec.span, pool.regions
+    end = offset + numel
+    if numel == 0 and 0 <= offset <= pool.numel:
+        return torch.zeros(0, dtype=torch.int64)
+    starts = [a for a, _ in regions]
+    r0 = bisect.bisect_right(starts, offset) - 1
+    r1 = bisect.bisect_right(starts, end - 1) - 1
+    inner = [regions[r][1] - offset for r in range(max(r0, 0), max(r1, 0))]
+    ok = r0 >= 0 and end <= pool.numel and (offset - regions[r0][0]) % span == 0
+    ok = ok and all(d % span == 0 for d in inner)  # the regions crossed end on spans
+    if not ok or (numel % span and end != regions[r1][1]):
+        raise ValueError(
+            f"dynamiq: values {offset}..{end} are not whole spans of {span} of the pooling "
+            f"regions of the buffer of {pool.numel} values (the prologue ran on another "
+            f"buffer or cut?)"
+        )
+    first = pool.first[r0] + (offset - regions[r0][0]) // span
+    return span_budgets(pool, bits, codec.balance)[first : first + -(-numel // span)]

@@ -1,0 +1,192 @@
+"""The DynamiQ codec pooled over the bucket (``pooling="bucket"``, dynamiq/codecs/_dynamiq_pool.py):
+the prologue's exact all-reduce, the budgets every rank derives, bit-exact kernels, cut
+invariance, and bad input raised on every rank."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from dynamiq import kernels
+from dynamiq.codecs import HopContext
+from dynamiq.codecs import _dynamiq_pool as pool
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec
+from dynamiq.collectives import simulate_allreduce
+from dynamiq.collectives.cuts import check_cut_invariance
+from dynamiq.collectives.handshake import PrologueComm, allreduce_exact, local_prologues
+from dynamiq.collectives.transport import LocalCluster, run_threads
+
+
+def grads(n: int, seed: int = 0) -> torch.Tensor:
+    """Layer-like data: blocks of very different scales, some zero, some tiny."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-30, 4, (n // 700 + 1,), generator=g).float())
+    x = torch.randn(n, generator=g) * scale.repeat_interleave(700)[:n]
+    x[1000:1700] = 0.0
+    return x
+
+
+def prologue(codec: DynamiqCodec, xs: list[torch.Tensor], chunks=None) -> list[dict]:
+    return local_prologues(codec, xs, chunks, timeout=30.0)[0]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("op", ["max", "min", "sum"])
+def test_ring_allreduce_is_exact_and_costs_2_n_minus_1_over_n(n: int, op: str) -> None:
+    g = torch.Generator().manual_seed(n)
+    ts = [torch.randint(-(2**14), 2**14, (37,), generator=g, dtype=torch.int16) for _ in range(n)]
+    cluster = LocalCluster(n)
+    comms = [PrologueComm(cluster.transport(r), 30.0) for r in range(n)]
+    got = run_threads(n, lambda r: allreduce_exact(comms[r], ts[r], op))
+    ref = torch.stack([t.long() for t in ts])
+    want = {"max": ref.amax(0), "min": ref.amin(0), "sum": ref.sum(0)}[op].to(torch.int16)
+    for r in range(n):
+        assert torch.equal(got[r], want)
+    # every piece travels n - 1 times in the reduce-scatter and n - 1 in the all-gather
+    assert sum(c.bytes_sent for c in comms) == 2 * (n - 1) * ts[0].numel() * 2
+
+
+def test_allreduce_exact_refuses_floats_and_unknown_ops() -> None:
+    comm = PrologueComm(LocalCluster(1).transport(0), 1.0)
+    with pytest.raises(TypeError, match="integer tensor"):
+        allreduce_exact(comm, torch.zeros(3), "max")
+    with pytest.raises(ValueError, match="op must be one of"):
+        allreduce_exact(comm, torch.zeros(3, dtype=torch.int32), "prod")
+
+
+@pytest.mark.parametrize("chunks", [None, [(0, 2560), (2560, 5120), (5120, 9001)]])
+def test_budgets_fit_and_balance(chunks) -> None:
+    codec = DynamiqCodec()
+    xs = [grads(9001, s) for s in range(3)]
+    shared = prologue(codec, xs, chunks)
+    assert all(s == shared[0] for s in shared[1:])  # every rank derives the same
+    p = shared[0][pool.SHARED_KEY]
+    budgets = pool.span_budgets(p, codec.bits, codec.balance)
+    lens = p.lens
+    assert bool((budgets >= 0).all()) and bool((budgets <= lens).all())  # <= 8 bits a value
+    assert int(budgets.sum()) <= math.floor(codec.bits * 9001) // 8
+    # every region within `balance` of its uniform share (+ the bytes of one span's rounding)
+    for (a, b), f, t in zip(p.regions, p.first[:-1], p.first[1:], strict=True):
+        uniform = math.floor(codec.bits * (b - a)) // 8
+        assert int(budgets[f:t].sum()) <= math.floor(uniform * codec.balance)
+    # the wire size: a function of the shared data and the context alone
+    ctx = HopContext(shared=shared[1])
+    assert codec.encoded_nbytes(9001, ctx) == codec.encode(xs[1], ctx).numel()
+
+
+def test_demand_ignores_nonfinite_values() -> None:
+    codec = DynamiqCodec()
+    x = grads(4096)
+    regions = pool.regions_of(codec, 4096, None)
+    clean = x.clone()
+    clean[3000] = 0.0
+    bad = x.clone()
+    bad[3000] = math.inf
+    a = pool.span_statistics(codec, clean, 0, regions)
+    b = pool.span_statistics(codec, bad, 0, regions)
+    assert torch.equal(a, b)  # one Inf never enters the shared statistics
+
+
+def test_value_beyond_max_input_abs_raises_on_every_rank() -> None:
+    codec = DynamiqCodec()
+    xs = [grads(3000, s) for s in range(3)]
+    xs[1][17] = 3.0e38
+    with pytest.raises(ValueError, match=r"rank 1 holds a value beyond max_input_abs"):
+        prologue(codec, xs)
+    # every rank raises by itself (the flag travels in the all-reduce)
+    n = 3
+    cluster = LocalCluster(n)
+    comms = [PrologueComm(cluster.transport(r), 30.0) for r in range(n)]
+    errors: list[str] = []
+
+    def one(r: int) -> None:
+        try:
+            codec.prologue(xs[r], comms[r])
+        except ValueError as e:
+            errors.append(str(e))
+
+    run_threads(n, one)
+    assert len(errors) == n and all("max_input_abs" in e for e in errors)
+
+
+def test_partial_sums_that_could_overflow_raise() -> None:
+    codec = DynamiqCodec()
+    xs = [torch.full((512,), 2.0**125) for _ in range(4)]
+    with pytest.raises(ValueError, match="partial sums of 4 ranks could exceed"):
+        prologue(codec, xs)
+
+
+CONFIGS = [
+    {},
+    {"span": 1024, "super_group": 256, "group": 32, "rounding": "stochastic"},
+    {"group": 8, "rounding": "correlated", "hop_slope": 1.0},
+    {"span": 512, "super_group": 512, "levels": "uniform", "scale_steps": 1, "balance": 1.5},
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_native_kernels_bit_exact_with_pooled_budgets(config: dict) -> None:
+    codec = DynamiqCodec(**config)
+    n = codec.span * 23 + 77
+    xs = [grads(n, s) for s in range(2)]
+    shared = prologue(codec, xs, [(0, codec.span * 8), (codec.span * 8, n)])[0]
+    ctx = HopContext(shared=shared, seed=5, hop=1, num_hops=3, rank=1)
+    out_ctx = dataclasses.replace(ctx, hop=2)
+    x, y = xs[0], xs[1]
+    ref = kernels.encode(codec, x, ctx, backend="reference")
+    assert torch.equal(ref, kernels.encode(codec, x, ctx, backend="cpu"))
+    d_ref = kernels.decode(codec, ref, n, ctx, backend="reference")
+    d_cpu = kernels.decode(codec, ref, n, ctx, backend="cpu")
+    assert torch.equal(d_ref.view(torch.int32), d_cpu.view(torch.int32))
+    r_ref = kernels.reduce(codec, ref, y, ctx, out_ctx, backend="reference")
+    assert torch.equal(r_ref, kernels.reduce(codec, ref, y, ctx, out_ctx, backend="cpu"))
+    # the fused reduce is the decode, the add and the encode
+    assert torch.equal(r_ref, kernels.encode(codec, d_ref + y, out_ctx, backend="reference"))
+
+
+def test_cut_invariance_with_pooled_budgets() -> None:
+    codec = DynamiqCodec()
+    n = 256 * 40 + 3
+    xs = [grads(n, s) for s in range(2)]
+    shared = prologue(codec, xs, [(0, 256 * 20), (256 * 20, n)])[0]
+    ctx = HopContext(shared=shared)
+    check_cut_invariance(codec, xs[0], ctx, [(0, 256 * 3), (256 * 3, 256 * 25), (256 * 25, n)])
+    with pytest.raises(ValueError, match="not whole spans"):
+        codec.encode(xs[0][:300].contiguous(), ctx)
+
+
+def test_pooling_beats_span_local_budgets_on_layered_data() -> None:
+    """Same bits on the wire: pooled budgets follow the scales; span-local ones cannot."""
+    xs = [grads(1 << 15, s) for s in range(4)]
+    pooled = simulate_allreduce(xs, DynamiqCodec(), "ring", seed=0, return_bound=False)
+    local = simulate_allreduce(xs, DynamiqCodec(pooling="span"), "ring", seed=0)
+    # the prologue: an int16 per span (and two more) through a ring: ~16/256 bits a value
+    assert pooled.bits_per_value() <= local.bits_per_value() + 0.07
+    assert pooled.vnmse < local.vnmse / 4
+
+
+def test_engine_and_simulator_agree_with_the_prologue() -> None:
+    xs = [grads(6000, s) for s in range(3)]
+    a = simulate_allreduce(xs, DynamiqCodec(), "ring", seed=1, engine="batched")
+    b = simulate_allreduce(xs, DynamiqCodec(), "ring", seed=1, engine="threads")
+    for oa, ob in zip(a.outputs, b.outputs, strict=True):
+        assert torch.equal(oa.view(torch.int32), ob.view(torch.int32))
+    assert a.bytes_sent == b.bytes_sent
+    # every rank ends with the same sum, within the certified bound
+    assert a.bound is not None
+    err = (a.outputs[0].double() - a.exact.double()).abs()
+    assert bool((err <= a.bound.double()).all())
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_encode_outside_a_collective_checks_the_range(backend: str) -> None:
+    codec = DynamiqCodec()
+    x = torch.ones(5000)
+    x[4321] = -3.0e38
+    with pytest.raises(ValueError, match="exceeds max_input_abs"):
+        kernels.encode(codec, x, HopContext(), backend=backend)
+    x[4321] = math.inf  # non-finite: the NaN policy, not an error
+    kernels.encode(codec, x, HopContext(), backend=backend)
