@@ -84,6 +84,85 @@ def _span_lengths(codec: DynamiqCodec, regions: list[tuple[int, int]]) -> torch.
     return torch.tensor(out, dtype=torch.int64)
 
 
+def _finite_absmax(v: torch.Tensor, g: int) -> torch.Tensor:
+    """The largest finite ``|v|`` of each group of ``g`` (``v``'s length a multiple of ``g``):
+    one read of the values (``aminmax``); only groups holding NaN or ±Inf are read again."""
+    if v.numel() == 0:
+        return v.new_zeros(0, dtype=torch.float32)
+    rows = v.view(-1, g)
+    lo, hi = torch.aminmax(rows, dim=1)
+    a = torch.maximum(hi.float(), -lo.float())
+    bad = ~torch.isfinite(a)
+    if bool(bad.any()):
+        sub = rows[bad].float()
+        a[bad] = torch.where(torch.isfinite(sub), sub.abs(), 0.0).amax(dim=1)
+    return a
+
+
+def _group_absmax(
+    codec: DynamiqCodec, flat: torch.Tensor, regions: list[tuple[int, int]], n_spans: int
+) -> tuple[torch.Tensor, float]:
+    """The finite group absmax ``[n_spans, span // group]`` of every region's spans (each
+    region's groups from its own start, padding groups 0), and the largest of them."""
+    span, g = codec.span, codec.group
+    per = span // g
+    parts = []
+    for a, b in regions:
+        full = (b - a) // g * g
+        body = _finite_absmax(flat[a : a + full], g)
+        tail = (
+            _finite_absmax(
+                torch.cat([flat[a + full : b].float(), flat.new_zeros(g - (b - a - full))]), g
+            )
+            if b - a > full
+            else body.new_zeros(0)
+        )
+        pad = body.new_zeros(-(body.numel() + tail.numel()) % per)
+        parts += [body, tail, pad]
+    a_g = torch.cat(parts).view(n_spans, per)
+    return a_g, float(a_g.max()) if a_g.numel() else 0.0
+
+
+def _demand(
+    codec: DynamiqCodec, a_g: torch.Tensor, sizes: torch.Tensor, budget: int
+) -> torch.Tensor:
+    """Each span's bits when ``budget`` bits are pooled over every group of the buffer by
+    the codec's water-filling (``[spans, groups]`` absmax and sizes): the next bit of a group
+    at level ``L = floor(k log2 absmax)`` and width ``w`` is worth ``8 L + Q[w]``; every bit
+    worth at least the lowest threshold that fits is taken (a prediction: its leftover bits
+    are not placed)."""
+    from .dynamiq_codec import _PRIORITY, _priority_tables  # the codec imports this module
+
+    k = codec.scale_steps
+    q = torch.tensor(_PRIORITY[k], device=a_g.device)
+    live = (a_g > 0) & (sizes > 0)
+    level = torch.floor(k * torch.log2(torch.where(live, a_g, 1.0))).to(torch.int64)
+    if not bool(live.any()):
+        return torch.zeros(a_g.shape[0], dtype=torch.int64, device=a_g.device)
+    lo_l = int(level[live].min())
+    rel = torch.where(live, level - lo_l, 0)
+    nb = int(rel.max()) + 1
+    hist = torch.bincount(rel[live], weights=sizes[live].double(), minlength=nb + 1)
+    suf = hist.flip(0).cumsum(0).flip(0).to(torch.int64)  # suf[j]: elements with L >= lo + j
+
+    def cost(tau: int) -> int:
+        j = ((tau - q + 7) >> 3) - lo_l  # a group takes its bit w iff L >= ceil((tau - Q)/8)
+        return int(suf[j.clamp(0, nb)].sum())
+
+    lo, hi = 8 * lo_l + int(q.min()), 8 * (lo_l + nb - 1) + int(q.max()) + 1
+    while lo < hi:  # the smallest threshold whose cost fits
+        mid = (lo + hi) >> 1
+        if cost(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    # width: how many Q[w] >= tau - 8 L, from a table over the range of Q
+    _, count = _priority_tables(k, a_g.device)
+    q_lo, q_hi = int(q.min()), int(q.max())
+    w = count.index_select(0, (lo - 8 * level - q_lo).clamp(0, q_hi - q_lo + 1).reshape(-1))
+    return (torch.where(live, w.view(level.shape), 0) * sizes).sum(dim=1)
+
+
 def span_statistics(
     codec: DynamiqCodec, x: torch.Tensor, rank: int, regions: list[tuple[int, int]]
 ) -> torch.Tensor:
@@ -98,23 +177,11 @@ def span_statistics(
     if n == 0:
         out[-1] = -150
         return out
-    v = flat.float()
-    mag = torch.where(torch.isfinite(v), v.abs(), 0.0)
-    worst = float(mag.max())
-    # every region's values from its own start, each zero-padded to whole spans
-    parts = []
-    for a, b in regions:
-        parts += [mag[a:b], mag.new_zeros(-(b - a) % span)]
-    padded = torch.cat(parts)
-    a_g = padded.view(n_spans, -1, g).amax(dim=2)
-    s_sg, e = codec._scale_codes(a_g)
-    # one row of every super-group and group of the buffer: one threshold for all of it
+    a_g, worst = _group_absmax(codec, flat, regions, n_spans)
     notional = max(codec.bits - DEMAND_OFFSET, 0.5)
-    budget = torch.tensor([[math.floor(notional * n)]], device=v.device)
-    w = codec._widths_rows(s_sg.reshape(1, -1), e.reshape(1, -1), n_spans * span, budget)
-    start = torch.arange(span // g, device=v.device) * g
-    sizes = (lens.to(v.device).view(-1, 1) - start).clamp(0, g)  # padding groups weigh 0
-    demand = (w.view(n_spans, -1) * sizes).sum(dim=1)
+    start = torch.arange(span // g, device=flat.device) * g
+    sizes = (lens.to(flat.device).view(-1, 1) - start).clamp(0, g)  # padding groups weigh 0
+    demand = _demand(codec, a_g, sizes, math.floor(notional * n))
     out[:n_spans] = demand.to(out.dtype).cpu()
     out[n_spans] = min(rank + 1, (1 << 15) - 1) if worst > codec.max_input_abs else 0
     out[n_spans + 1] = int(exponent_of(torch.tensor([worst])).item()) if worst > 0 else -150
