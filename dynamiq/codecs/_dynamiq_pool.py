@@ -64,8 +64,10 @@ def regions_of(
     """The non-empty ``[start, end)`` regions whose budgets are pooled apart, sorted (default:
     the whole buffer); each has its own spans from its start (its last may be short).
     Raises ``ValueError`` unless they partition ``[0, numel)``."""
+    if numel == 0:
+        return []
     if not regions:
-        return [(0, numel)] if numel else []
+        return [(0, numel)]
     got = sorted((int(a), int(b)) for a, b in regions if b > a)
     ok = bool(got) and got[0][0] == 0 and got[-1][1] == numel
     if not ok or any(p[1] != q[0] for p, q in itertools.pairwise(got)):

@@ -428,19 +428,41 @@ class DynamiqCodec(Codec):
     # -- prologue: the bucket's statistics --------------------------------------------------
 
     def prologue(self, x: torch.Tensor, comm: Any) -> dict[str, Any] | None:
-        """``pooling="bucket"``: agree on every span's statistic by one exact all-reduce
-        (max) of int16s, and check the input range on every rank (see
-        :mod:`dynamiq.codecs._dynamiq_pool`); ``None`` for ``pooling="span"``."""
+        """``pooling="bucket"``: agree on every span's demand by one exact all-reduce (max)
+        of int16s, and check the input range on every rank (see
+        :mod:`dynamiq.codecs._dynamiq_pool`); ``None`` for ``pooling="span"``. The chunks
+        come from ``comm.chunks`` (the engine's), else the whole buffer is one region."""
         if self.pooling != "bucket":
             return None
         from dynamiq.collectives.handshake import allreduce_exact  # not at import: cycle
 
-        # the collective's chunks, if its communicator says (every chunk, and so every
-        # round's message, then has the bytes of the uniform budget), else the whole buffer
-        regions = _pool.regions_of(self, x.numel(), getattr(comm, "chunks", None))
-        stats = _pool.span_statistics(self, x, comm.rank, regions)
+        chunks = getattr(comm, "chunks", None)
+        stats = self.prologue_statistics(x, comm.rank, chunks)
         reduced = allreduce_exact(comm, stats, "max")
-        return _pool.shared_from_statistics(self, reduced, x.numel(), comm.world_size, regions)
+        return self.prologue_result(reduced, x.numel(), comm.world_size, chunks)
+
+    #: how :meth:`prologue` combines the ranks' :meth:`prologue_statistics` (the simulator
+    #: reduces them in process, counting the bytes of the engine's ring)
+    prologue_op: ClassVar[str] = "max"
+
+    def prologue_statistics(
+        self, x: torch.Tensor, rank: int, chunks: list[tuple[int, int]] | None
+    ) -> torch.Tensor:
+        """This rank's part of the prologue: its per-span demand and flags (integers)."""
+        regions = _pool.regions_of(self, x.numel(), chunks)
+        return _pool.span_statistics(self, x, rank, regions)
+
+    def prologue_result(
+        self,
+        reduced: torch.Tensor,
+        numel: int,
+        world_size: int,
+        chunks: list[tuple[int, int]] | None,
+    ) -> dict[str, Any]:
+        """``HopContext.shared`` from the all-reduced statistics (raises ``ValueError`` on bad
+        input of any rank)."""
+        regions = _pool.regions_of(self, numel, chunks)
+        return _pool.shared_from_statistics(self, reduced, numel, world_size, regions)
 
     def _blocks(self, numel: int, compiled_op: str | None = None) -> list[tuple[int, int, int]]:
         """``(first span, spans, length)`` of each block processed together: runs of full

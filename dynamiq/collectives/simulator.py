@@ -427,15 +427,42 @@ class _Sim:
         if not callable(fn):
             return
         t = time.perf_counter()
-        # the engine's chunks, as its prologue gets them
-        shared, comms = local_prologues(codec, list(xs), list(self.bounds))
-        self.shared = list(shared)
-        for r, comm in enumerate(comms):
-            self.sent[r] += comm.bytes_sent
-            self.received[r] += comm.bytes_received
+        if callable(getattr(codec, "prologue_statistics", None)) and self.pooling_pending(codec):
+            self.reduced_prologue(codec, xs)
+        else:
+            # the engine's chunks, as its prologue gets them
+            shared, comms = local_prologues(codec, list(xs), list(self.bounds))
+            self.shared = list(shared)
+            for r, comm in enumerate(comms):
+                self.sent[r] += comm.bytes_sent
+                self.received[r] += comm.bytes_received
         for r in range(self.n):
             self.group[r] = next(q for q in range(r + 1) if _same(self.shared[q], self.shared[r]))
         self.tick("prologue", t)
+
+    @staticmethod
+    def pooling_pending(codec: Codec) -> bool:
+        """Whether ``codec``'s prologue runs (a DynamiQ codec pooled over the bucket)."""
+        return getattr(codec, "pooling", None) == "bucket"
+
+    def reduced_prologue(self, codec: Any, xs: Sequence[torch.Tensor]) -> None:
+        """A prologue that is one exact all-reduce of per-rank statistics, in process: the
+        same result as the engine's ring (:meth:`PrologueComm.allreduce`), whose bytes are
+        counted (each rank sends every piece but one in each half, receives likewise)."""
+        chunks = list(self.bounds)
+        stats = [codec.prologue_statistics(xs[r], r, chunks) for r in range(self.n)]
+        stack = torch.stack([s.to(torch.int64) for s in stats])
+        op = codec.prologue_op
+        red = stack.amax(0) if op == "max" else stack.amin(0) if op == "min" else stack.sum(0)
+        shared = codec.prologue_result(red.to(stats[0].dtype), xs[0].numel(), self.n, chunks)
+        self.shared = [shared] * self.n
+        n, length, size = self.n, stats[0].numel(), stats[0].element_size()
+        if n == 1:
+            return
+        piece = [length * (i + 1) // n - length * i // n for i in range(n)]
+        for r in range(n):
+            self.sent[r] += size * (2 * length - piece[(r + 1) % n] - piece[(r + 2) % n])
+            self.received[r] += size * (2 * length - piece[r] - piece[(r + 1) % n])
 
     def finish(self) -> list[EngineResult]:
         """Each rank's output: its raw values, and the decoded bytes of what it holds encoded

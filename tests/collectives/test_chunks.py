@@ -93,16 +93,10 @@ _THC = (
     "400 or 16 such blocks cannot spread evenly over this many ranks; a smaller block is a "
     "different accuracy/speed trade-off of the codec, not a cut the engine can change"
 )
-_DYNAMIQ = (
-    "DynamiQ's 65,536-value span is its wire unit (dynamiq/codecs/dynamiq_codec.py); the "
-    "codec pooled over the whole bucket (issue 13's companion issue) replaces it"
-)
 #: (codec, values, ranks) whose default block cannot balance, and why
 UNBALANCED = {
     **{("thc", 6_553_600, n): _THC for n in (128, 1024)},
     **{("thc", 262_144, n): _THC for n in (32, 128, 1024)},
-    **{("dynamiq", 6_553_600, n): _DYNAMIQ for n in (32, 128, 1024)},
-    **{("dynamiq", 262_144, n): _DYNAMIQ for n in RANKS},
 }
 
 

@@ -27,8 +27,8 @@ from dynamiq.collectives.bounds import (
     unpack_bound,
 )
 from dynamiq.collectives.cuts import block_cuts, check_cut_invariance
-from dynamiq.collectives.handshake import PrologueComm, run_prologue
-from dynamiq.collectives.planning import plan_schedule
+from dynamiq.collectives.handshake import PrologueComm, local_prologues, run_prologue
+from dynamiq.collectives.planning import chunk_layout, plan_schedule
 from dynamiq.collectives.schedules import Schedule, Step
 from dynamiq.collectives.transport import LocalCluster, run_threads
 
@@ -84,6 +84,11 @@ def test_composed_bound_on_a_two_hop_path(codec_name: str) -> None:
     c1 = plan[1][0].recvs[0].out_ctx
     c2 = plan[0][1].recvs[0].out_ctx
     assert c1 is not None and c2 is not None
+    # a codec with a prologue (DynamiQ pooled over the bucket): its result, as the engine
+    # runs it (on the engine's chunks), reaches every encoding
+    chunks, _ = chunk_layout(numel, sched, codec, 1 << 18)
+    shared = local_prologues(codec, xs, chunks)[0][0]
+    c0, c1, c2 = (dataclasses.replace(c, shared=shared) for c in (c0, c1, c2))
     assert [c.hop for c in (c0, c1, c2)] == [0, 1, 2]
     assert [c.rank for c in (c0, c1, c2)] == [2, 1, 0]
 

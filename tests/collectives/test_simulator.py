@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 from dynamiq.codecs import get_codec, list_codecs
 from dynamiq.collectives import get_schedule, simulate_allreduce
+from dynamiq.collectives.handshake import local_prologues
 from dynamiq.collectives.planning import chunk_layout, plan_schedule
 
 SCHEDULES = ["ring", "butterfly", "tree", "hierarchical"]
@@ -47,31 +50,38 @@ class _CountingComm:
 
 
 def _expected_bytes(
-    codec_name: str, schedule, numel: int, sub_chunk: int, x0: torch.Tensor
+    codec_name: str, schedule, numel: int, sub_chunk: int, xs: list[torch.Tensor]
 ) -> list[int] | None:
     """Bytes each rank sends, from the plan, encoded_nbytes and the prologue's exchange
-    (independent of the engine's counters); None for data-dependent sizes."""
+    (independent of the engine's counters: a DynamiQ prologue runs on the engine's own ring
+    communicator, the others on a counting all-gather); None for data-dependent sizes."""
     codec = get_codec(codec_name)
     plan = plan_schedule(schedule, codec)
-    _, pieces = chunk_layout(numel, schedule, codec, sub_chunk)
+    chunks, pieces = chunk_layout(numel, schedule, codec, sub_chunk)
+    n = schedule.world_size
+    extra, shared = [0] * n, None
+    prologue = getattr(codec, "prologue", None)
+    if callable(getattr(codec, "prologue_statistics", None)):
+        results, comms = local_prologues(codec, xs, chunks)
+        shared, extra = results[0], [c.bytes_sent for c in comms]
+    elif callable(prologue) and n > 1:
+        comm = _CountingComm(n)
+        prologue(xs[0], comm)
+        extra = [comm.sent] * n
     sizes = [
         [
-            op.codec.encoded_nbytes(b - a, op.ctx)
+            op.codec.encoded_nbytes(b - a, dataclasses.replace(op.ctx, offset=a, shared=shared))
+            if shared is not None
+            else op.codec.encoded_nbytes(b - a, op.ctx)
             for rnd in plan[r]
             for op in rnd.sends
             for a, b in pieces[op.chunk]
         ]
-        for r in range(schedule.world_size)
+        for r in range(n)
     ]
     if any(sz is None for per_rank in sizes for sz in per_rank):
         return None
-    extra = 0
-    prologue = getattr(codec, "prologue", None)
-    if callable(prologue) and schedule.world_size > 1:
-        comm = _CountingComm(schedule.world_size)
-        prologue(x0, comm)
-        extra = comm.sent
-    return [sum(per_rank) + extra for per_rank in sizes]  # type: ignore[arg-type]
+    return [sum(per_rank) + e for per_rank, e in zip(sizes, extra, strict=True)]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -100,7 +110,7 @@ def test_invariants(
     assert res.bound is not None and bool((err <= res.bound).all())
     # the bytes sent are what the plan and the codec's encoded_nbytes say
     sched = get_schedule(schedule, n, **(opts or {}))
-    expected = _expected_bytes(codec, sched, numel, sub_chunk, xs[0])
+    expected = _expected_bytes(codec, sched, numel, sub_chunk, xs)
     if expected is not None:  # data-dependent sizes: the headers are checked by the engine tests
         assert res.bytes_sent == expected
     received = sum(s.bytes_received for s in res.stats)
