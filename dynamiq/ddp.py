@@ -55,7 +55,7 @@ class DynamiqState:
         seed: seed of stochastic rounding (the step counter and bucket offset are mixed in).
         threshold: buckets with fewer elements go uncompressed (fp32); default
             :data:`~dynamiq.collectives.options.DEFAULT_THRESHOLD`.
-        sub_chunk, timeout, schedule_options: as for
+        sub_chunk, timeout, schedule_options, verify: as for
             :func:`~dynamiq.collectives.allreduce` (``timeout``: seconds to wait for a peer
             before raising ``PeerTimeoutError``; ``schedule_options``: e.g.
             ``ranks_per_node``).
