@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import math
 import os
@@ -82,6 +83,7 @@ class ClusterBenchConfig:
     timeout: float = 900.0
     sysctls: tuple[tuple[str, str], ...] = ()
     collective: str = "allreduce"
+    verify: tuple[bool, ...] = (False,)  # each codec row with verify off and/or on
 
     def __post_init__(self) -> None:
         if not 2 <= self.ranks <= 64:
@@ -145,9 +147,16 @@ def _methods(cfg: ClusterBenchConfig) -> list[dict[str, Any]]:
     ]
     for codec in cfg.codecs:
         name = codec if isinstance(codec, str) else json.dumps(codec, sort_keys=True)
-        for sched in cfg.schedules:
+        for sched, verify in itertools.product(cfg.schedules, cfg.verify):
+            label = f"{name} {sched}" + (" verify" if verify else "")
             out.append(
-                {"kind": "dynamiq", "codec": codec, "schedule": sched, "label": f"{name} {sched}"}
+                {
+                    "kind": "dynamiq",
+                    "codec": codec,
+                    "schedule": sched,
+                    "verify": verify,
+                    "label": label,
+                }
             )
     return out
 
@@ -574,6 +583,13 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
         "r gets [r·S, (r+1)·S); PyTorch rows: gloo's reduce_scatter_tensor; schedules: ring, "
         "power-of-two butterfly)",
     )
+    p.add_argument(
+        "--verify",
+        choices=("off", "on", "both"),
+        default="off",
+        help="dynamiq rows with verify=True (per-message checksums and the status exchange), "
+        "without, or both in the same run (default off)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -614,6 +630,7 @@ def check_args(args: argparse.Namespace) -> None:
         timeout=args.timeout,
         sysctls=tuple(sysctls),
         collective=args.collective,
+        verify={"off": (False,), "on": (True,), "both": (False, True)}[args.verify],
     )
 
 
