@@ -69,12 +69,15 @@ from .handshake import (
 )
 from .integrity import (
     ALGORITHM,
+    CHECKSUM_BYTES,
     IntegrityError,
     Status,
     checksum,
     identity,
     open_length,
+    pack_checksum,
     seal_length,
+    unpack_checksum,
 )
 from .planning import RecvOp, RoundPlan, SendOp, chunk_bounds, chunk_layout, plan_schedule
 from .schedules import Schedule
@@ -177,8 +180,7 @@ class _Incoming:
     work: Work | None = None
     bound_buf: torch.Tensor | None = None
     bound_work: Work | None = None
-    check_buf: torch.Tensor | None = None
-    check_work: Work | None = None
+    size: int = 0  # the payload's bytes (``buf`` holds its checksum too, with ``verify``)
 
 
 @dataclass
@@ -380,8 +382,6 @@ class ScheduleRun:
         else:
             self.work = x.detach().to(torch.float32).clone()
         self.state = [_State() for _ in range(self.schedule.num_chunks)]
-        if self.exchange_status and not bool(torch.isfinite(self.work).all()):
-            self.status.record("nonfinite")
         # A chunk whose last receive on this rank has happened holds its final bytes: decode
         # its sub-chunks in the next rounds, one before each wait for a peer's data (the link
         # is busy, the CPU would idle), instead of all after the last round; not in the round
@@ -479,14 +479,13 @@ class ScheduleRun:
         return incoming
 
     def _post(self, inc: _Incoming, src: int, size: int) -> None:
-        inc.buf = torch.empty(size, dtype=torch.uint8, device=self.x.device)
+        inc.size = size
+        extra = CHECKSUM_BYTES if self.verify else 0
+        inc.buf = torch.empty(size + extra, dtype=torch.uint8, device=self.x.device)
         inc.work = self.transport.irecv(inc.buf, src)
         if self.bounds is not None:
             inc.bound_buf = self.bounds.receive_buffer(inc.op.codec, inc.b - inc.a)
             inc.bound_work = self.transport.irecv(inc.bound_buf, src)
-        if self.verify:
-            inc.check_buf = torch.empty(1, dtype=torch.int64, device=self.x.device)
-            inc.check_work = self.transport.irecv(inc.check_buf, src)
 
     def _receive(self, k: int, inc: _Incoming) -> torch.Tensor:
         """Wait for ``inc``'s payload (and bound); a data-dependent one reads its length
@@ -517,13 +516,11 @@ class ScheduleRun:
         self._wait(inc.work, k)
         if inc.bound_work is not None:
             self._wait(inc.bound_work, k)
-        if inc.check_work is not None:
-            assert inc.check_buf is not None
-            self._wait(inc.check_work, k)
-            self.result.bytes_received += 8
-            got = int(inc.check_buf[0])
+        if self.verify:  # the payload's last bytes are its checksum
+            payload, got = inc.buf[: inc.size], unpack_checksum(inc.buf[inc.size :])
+            inc.buf = payload
             ident = self._ident(k, inc.op.chunk, inc.j, src, self.rank)
-            if got != checksum(ident, inc.buf, inc.bound_buf):
+            if got != checksum(ident, payload, inc.bound_buf):
                 self._replace_corrupt(k, inc, src)
         return inc.buf
 
@@ -654,20 +651,21 @@ class ScheduleRun:
             hdr = torch.tensor([word], dtype=torch.int64, device=self.x.device)
             sends.pending.append(self.transport.isend(hdr, dst))
             nbytes += 8
-        sends.pending.append(self.transport.isend(payload, dst))
         packed = None
         if self.bounds is not None:
             assert bnd is not None
             packed = self.bounds.pack(bnd, sop.codec)
-            sends.pending.append(self.transport.isend(packed, dst))
             self.result.bound_bytes_sent += packed.numel() * 8
             # keep what the receiver gets, so every rank ends with the same bound
             new.bounds[j] = self.bounds.unpack(packed, sop.codec, b - a)
-        if self.verify:
+        wire = payload
+        if self.verify:  # the checksum rides at the end of the payload: no extra message
             crc = checksum(self._ident(k, ch, j, self.rank, dst), payload, packed)
-            trailer = torch.tensor([crc], dtype=torch.int64, device=self.x.device)
-            sends.pending.append(self.transport.isend(trailer, dst))
-            nbytes += 8
+            wire = torch.cat([payload, pack_checksum(crc, payload.device)])
+            nbytes += CHECKSUM_BYTES
+        sends.pending.append(self.transport.isend(wire, dst))
+        if packed is not None:
+            sends.pending.append(self.transport.isend(packed, dst))
         self.result.bytes_sent += nbytes
         self.result.round_bytes[k] += nbytes
 

@@ -1,14 +1,17 @@
 """Message integrity and the end-of-collective status exchange (docs/reliability.md,
 "Integrity").
 
-**Checksums** (``verify=True``). Every engine message of a collective carries a CRC-32C
-(:func:`checksum`) over its bytes *and its identity*: the collective's sequence number, the
-round, chunk and sub-chunk, the sender and the receiver (:func:`identity`). A flipped bit, a
-message delivered to the wrong rank or collective, or two messages swapped within a round
-then fail the receiver's check. CRC-32C comes from the ``crc32c`` package (hardware
-instructions where the CPU has them) when it is installed (the ``integrity`` extra), else
-from the standard library's ``zlib.crc32`` (CRC-32, slower); every rank must use the same
-one, so its name is part of the configuration the ranks agree on (:data:`ALGORITHM`).
+**Checksums** (``verify=True``). Every payload the engine sends carries, in
+:data:`CHECKSUM_BYTES` bytes appended to it, a CRC-32C (:func:`checksum`) over its bytes, its
+bound (sent next, ``return_bound=True``) *and its identity*: the collective's sequence number,
+the round, chunk and sub-chunk, the sender and the receiver (:func:`identity`). A flipped
+bit, a message delivered to the wrong rank or collective, or two messages swapped within a
+round then fail the receiver's check. No extra message is sent. CRC-32C comes from the
+``crc32c`` package (hardware instructions where the CPU has them) when it is installed (the
+``integrity`` extra), else from the standard library's ``zlib.crc32`` (CRC-32, slower);
+every rank must use the same one, so its name is part of the configuration the ranks agree
+on (:data:`ALGORITHM`). Length headers (data-dependent sizes) are always sealed with a check
+of the length and its identity (:func:`seal_length`), ``verify`` or not.
 
 **Status** (:class:`Status`). What a rank detects during a collective (a failed checksum, a
 codec's bad input, a deferred device error, ...) is *recorded*, not raised, so the rank keeps
@@ -32,6 +35,7 @@ from .transport import Transport
 
 __all__ = [
     "ALGORITHM",
+    "CHECKSUM_BYTES",
     "KINDS",
     "STATUS_WORDS",
     "CollectiveStatusError",
@@ -41,7 +45,9 @@ __all__ = [
     "checksum",
     "identity",
     "open_length",
+    "pack_checksum",
     "seal_length",
+    "unpack_checksum",
 ]
 
 try:  # the optional, hardware-accelerated CRC-32C (``pip install dynamiq-allreduce[integrity]``)
@@ -107,6 +113,21 @@ def open_length(ident: bytes, word: int) -> int | None:
         return None
     size = word & ((1 << _LENGTH_BITS) - 1)
     return size if word >> _LENGTH_BITS == _seal(ident, size) else None
+
+
+#: bytes of a payload's checksum, appended to the payload (``verify``)
+CHECKSUM_BYTES = 4
+
+
+def pack_checksum(value: int, device: torch.device) -> torch.Tensor:
+    """A checksum as the ``CHECKSUM_BYTES`` bytes appended to a payload (little-endian)."""
+    raw = value.to_bytes(CHECKSUM_BYTES, "little")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
+def unpack_checksum(tail: torch.Tensor) -> int:
+    """The checksum :func:`pack_checksum` wrote."""
+    return int.from_bytes(bytes(tail.cpu().tolist()), "little")
 
 
 # -- the status --------------------------------------------------------------------------------

@@ -3,16 +3,16 @@
 
 :class:`FaultyTransport` wraps the transport of one collective call on the faulty rank. It
 tells the engine's messages apart by their dtype (docs/collectives.md, "The engine"): codec
-payloads are ``uint8``, length headers one ``int64`` word sent just before a payload, bounds
-``float64``, checksums one ``int64`` word after a payload and its bound (``verify``);
+payloads are ``uint8`` (with ``verify``, their checksum in their last bytes), length headers
+one ``int64`` word sent just before a payload, bounds ``float64`` just after it;
 the first ``ceil(log2 n)`` ``uint8`` messages are the configuration check, which it leaves
 alone. Faults, each hitting the ``at``-th payload (counted from 0) and what goes with it:
 
 - ``kill``: the process exits (code :data:`KILLED`) instead of sending it;
 - ``stall``: sleeps ``stall`` seconds before sending it, then goes on;
 - ``drop``: it and every later message to that peer are never sent (a link gone silent);
-- ``reorder``: it and its checksum (and header, bound) swap places with the next payload's
-  to the same peer (same sizes, so gloo matches them);
+- ``reorder``: it (with its header and bound) swaps places with the next payload to the
+  same peer (same sizes, so gloo matches them);
 - ``payload``, ``header``, ``bound``: one bit of it, of its length header, of its bound is
   flipped (``flip`` names the bit).
 
@@ -89,7 +89,6 @@ class FaultyTransport:
         self._header: dict[int, tuple[torch.Tensor, int, _Sent]] = {}  # the one before a payload
         self._held: dict[int, list[tuple[torch.Tensor, int, _Sent]]] = {}  # ``reorder``
         self._starts: dict[int, list[int]] = {}  # ``reorder``: where each held group starts
-        self._last: dict[int, torch.dtype | None] = {}  # the dtype of the last message to each peer
 
     # -- the transport ---------------------------------------------------------------------
 
@@ -103,10 +102,7 @@ class FaultyTransport:
         out = _Sent(self)
         if dst in self._dropped:
             return _Sent()
-        last = self._last.get(dst)
-        # (the configuration check's messages are not payloads)
-        self._last[dst] = t.dtype if self.payloads >= self.skip else None
-        if self.payloads >= self.skip and self._is_header(t, last):  # held until its payload
+        if self.payloads >= self.skip and self._is_header(t):  # held until its payload
             self._header[dst] = (t, tag, out)
             return out
         msgs = [self._header.pop(dst)] if dst in self._header else []
@@ -128,11 +124,9 @@ class FaultyTransport:
 
     # -- the faults ------------------------------------------------------------------------
 
-    def _is_header(self, t: torch.Tensor, last: torch.dtype | None) -> bool:
-        if t.dtype != torch.int64 or t.numel() != 1:
-            return False
-        # with ``verify`` a one-word int64 just after a payload (or its bound) is its checksum
-        return not (self.verify and last in (torch.uint8, torch.float64))
+    @staticmethod
+    def _is_header(t: torch.Tensor) -> bool:
+        return t.dtype == torch.int64 and t.numel() == 1
 
     def _strike(
         self, t: torch.Tensor, dst: int, msgs: list[tuple[torch.Tensor, int, _Sent]]

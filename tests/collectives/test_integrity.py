@@ -206,6 +206,6 @@ def test_verify_changes_no_result_and_costs_a_checksum_per_message() -> None:
             sends = [
                 sum(len(pieces[op.chunk]) for op in rnd.sends) for rnd in plan_schedule(sched, c)[r]
             ]
-            # 8 bytes of checksum per payload message; 2 rounds of 64 bytes of status
-            assert b.round_bytes == [x + 8 * m for x, m in zip(a.round_bytes, sends, strict=False)]
+            # 4 bytes of checksum per payload message; 2 rounds of 64 bytes of status
+            assert b.round_bytes == [x + 4 * m for x, m in zip(a.round_bytes, sends, strict=False)]
             assert b.control_bytes_sent - a.control_bytes_sent == 2 * 8 * STATUS_WORDS
