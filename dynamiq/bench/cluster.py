@@ -470,6 +470,19 @@ def markdown_report(result: dict[str, Any]) -> str:
 HELP = "all-reduce time on an emulated bandwidth-limited cluster (root; namespaces)"
 
 
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--verify",
+        choices=("off", "on", "both"),
+        default="off",
+        help="dynamiq rows with verify=True (per-message checksums and the status exchange), "
+        "without, or both in the same run (default off)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
 def add_parser(bsub: Any) -> argparse.ArgumentParser:
     """Add ``cluster`` to the ``dynamiq bench`` sub-commands."""
     p: argparse.ArgumentParser = bsub.add_parser(
@@ -583,16 +596,7 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
         "r gets [r·S, (r+1)·S); PyTorch rows: gloo's reduce_scatter_tensor; schedules: ring, "
         "power-of-two butterfly)",
     )
-    p.add_argument(
-        "--verify",
-        choices=("off", "on", "both"),
-        default="off",
-        help="dynamiq rows with verify=True (per-message checksums and the status exchange), "
-        "without, or both in the same run (default off)",
-    )
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _add_output_args(p)
     p.set_defaults(func=cmd_cluster, check=check_args)
     return p
 
