@@ -235,7 +235,9 @@ def _summarise(
         wire_rx = statistics.mean(res["counters"]["rx_bytes"] for res in results) / reps
         row: dict[str, Any] = {
             "rate": rate,
-            "method": "pytorch" if method["kind"] == "torch" else "dynamiq",
+            "method": "pytorch"
+            if method["kind"] == "torch"
+            else ("dynamiq verify" if method.get("verify") else "dynamiq"),
             "codec": method.get("dtype") if method["kind"] == "torch" else method["codec"],
             "schedule": "gloo" if method["kind"] == "torch" else method["schedule"],
             "seconds": seconds,
