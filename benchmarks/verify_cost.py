@@ -4,7 +4,8 @@
    the int8 codec's encode of the same buffer.
 2. The all-reduce over 4 gloo ranks on loopback (the CPU kernels, no network limit), 16 MiB
    of real gradients per rank (the cached eval gradients, as ``dynamiq bench cluster``), each
-   codec on the ring, ``verify`` off and on interleaved: median seconds and the ratio.
+   codec on the ring, interleaved: ``verify`` off, checksums only (``status=False``), and
+   checksums with the status exchange (``verify=True``): median seconds, ratio to off.
 3. The status exchange alone (``Status.exchange``) on 4 and 32 in-process ranks.
 """
 
@@ -52,31 +53,43 @@ def checksum_speed() -> None:
     print(f"int8 encode: {x.numel() * 4 / dt / 2**30:.2f} GiB/s of fp32 input")
 
 
+#: the variants: verify off; checksums only (``status=False``: raised where found); both
+VARIANTS = {"off": (False, False), "crc": (True, False), "on": (True, True)}
+
+
 def _job(rank: int, world: int) -> dict[str, list[float]]:
-    from dynamiq.collectives import allreduce
+    from dynamiq.codecs import get_codec
+    from dynamiq.collectives import get_schedule
+    from dynamiq.collectives.engine import run_schedule
+    from dynamiq.collectives.transport import TorchDistTransport
 
     x = rank_buffer("real", rank, world, NUMEL, 0)
+    tr = TorchDistTransport()
+    sched = get_schedule("ring", world)
     times: dict[str, list[float]] = {}
     for _ in range(REPS + 1):  # the first round is a warm-up
         for codec in CODECS:
-            for verify in (False, True):
+            c = get_codec(codec)
+            for name, (verify, status) in VARIANTS.items():
                 buf = x.clone()
                 torch.distributed.barrier()
                 t0 = time.perf_counter()
-                allreduce(buf, codec, "ring", verify=verify, timeout=120)
-                times.setdefault(f"{codec} {int(verify)}", []).append(time.perf_counter() - t0)
+                run_schedule(tr, buf, c, sched, verify=verify, status=status, inplace=True)
+                times.setdefault(f"{codec} {name}", []).append(time.perf_counter() - t0)
     return {k: v[1:] for k, v in times.items()}
 
 
 def gloo_cost() -> None:
     results = run_gloo(_job, 4, timeout=1800)
     assert all(s == "ok" for s, _ in results), results
-    print("| codec (ring, 4 gloo ranks, 16 MiB) | verify off (s) | verify on (s) | on/off |")
+    print("| codec (ring, 4 gloo ranks, 16 MiB) | off (s) | checksums only | + status exchange |")
     print("|---|---|---|---|")
     for codec in CODECS:
-        off = max(statistics.median(v[f"{codec} 0"]) for _, v in results)
-        on = max(statistics.median(v[f"{codec} 1"]) for _, v in results)
-        print(f"| {codec} | {off:.3f} | {on:.3f} | {on / off:.3f} |")
+        t = {n: max(statistics.median(v[f"{codec} {n}"]) for _, v in results) for n in VARIANTS}
+        print(
+            f"| {codec} | {t['off']:.3f} | {t['crc']:.3f} ({t['crc'] / t['off']:.3f}) | "
+            f"{t['on']:.3f} ({t['on'] / t['off']:.3f}) |"
+        )
 
 
 def status_cost() -> None:

@@ -454,7 +454,8 @@ class ScheduleRun:
             self.timer.add("status", t)
             res.control_bytes_sent += self.status.bytes_sent
             res.status = self.status
-            self.status.raise_for_error(f"{self.schedule.name} collective {self.transport.seq}")
+        # (without the exchange, ``status=False``, what this rank found is raised here only)
+        self.status.raise_for_error(f"{self.schedule.name} collective {self.transport.seq}")
         res.output = self.work
         res.bound = self.bounds.beta if self.bounds is not None else None
         res.seconds = self.timer.seconds
