@@ -520,6 +520,7 @@ class ScheduleRun:
         if self.verify:  # the payload's last bytes are its checksum
             payload, got = inc.buf[: inc.size], unpack_checksum(inc.buf[inc.size :])
             inc.buf = payload
+            self.result.bytes_received += CHECKSUM_BYTES
             ident = self._ident(k, inc.op.chunk, inc.j, src, self.rank)
             if got != checksum(ident, payload, inc.bound_buf):
                 self._replace_corrupt(k, inc, src)
