@@ -55,7 +55,7 @@ class DynamiqState:
         seed: seed of stochastic rounding (the step counter and bucket offset are mixed in).
         threshold: buckets with fewer elements go uncompressed (fp32); default
             :data:`~dynamiq.collectives.options.DEFAULT_THRESHOLD`.
-        sub_chunk, timeout, schedule_options: as for
+        sub_chunk, timeout, schedule_options, verify: as for
             :func:`~dynamiq.collectives.allreduce` (``timeout``: seconds to wait for a peer
             before raising ``PeerTimeoutError``; ``schedule_options``: e.g.
             ``ranks_per_node``).
@@ -63,6 +63,9 @@ class DynamiqState:
             error feedback can keep its residuals unscaled (see below).
 
     ``stats`` holds one dict per completed step: bytes sent and received, seconds per phase.
+    A failed all-reduce fails ``backward()`` with a ``RuntimeError`` whose text starts with
+    the error's name and message (DDP's reducer keeps only the text); ``last_error`` holds
+    the error itself (``PeerTimeoutError``, ``IntegrityError``, ...), to re-raise or inspect.
     ``close()`` stops the communication thread and closes the state's transport.
 
     **Non-finite steps and loss scaling** (error feedback; docs/guide.md, "Mixed precision").
@@ -88,6 +91,7 @@ class DynamiqState:
         "error_feedback",
         "grad_scaler",
         "iter",
+        "last_error",
         "options",
         "process_group",
         "residuals",
@@ -128,6 +132,7 @@ class DynamiqState:
         self._pending: dict[int, torch.Tensor] = {}  # this step's residuals, not yet kept
         self._step_nonfinite = False
         self.stats: list[dict[str, Any]] = []
+        self.last_error: BaseException | None = None
         self._lock = threading.Lock()
         self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name="dynamiq-comm")
@@ -326,7 +331,8 @@ def dynamiq_hook(
        dividing by the world size; with error feedback, the residual of every encoding this
        rank does is kept for the next step (unscaled; not if the result is non-finite: see
        :class:`DynamiqState`).
-    4. Complete the Future with the averaged bucket (or the error, which DDP re-raises).
+    4. Complete the Future with the averaged bucket, or fail it with the error, which
+       ``backward()`` then raises as itself (``PeerTimeoutError``, ``IntegrityError``, ...).
     """
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     grad = bucket.buffer()
@@ -384,7 +390,16 @@ def dynamiq_hook(
                     state._step_nonfinite = True  # keep no residual of a failed step
                 if is_last:
                     state._end_step(failed=True)
+            state.last_error = exc
             fut.set_exception(exc)  # type: ignore[arg-type]
 
     state.submit(job)
-    return fut
+    # A Future completed by ``set_exception`` holds the exception as its *value*, which DDP's
+    # reducer would try to read as a Tensor ("Unable to cast <PeerTimeoutError> to Tensor");
+    # a callback that re-raises it fails the chained Future instead, and DDP raises that (as
+    # a RuntimeError with the error's name and text: the type is lost in torch's C++).
+    return fut.then(_value)
+
+
+def _value(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+    return fut.value()  # raises the error the job failed with

@@ -100,9 +100,10 @@ class FSDPState:
 
     The configuration is a :class:`~dynamiq.collectives.CollectiveOptions` (``options=``,
     or its fields as keywords: ``seed``, ``threshold``, ``sub_chunk``, ``timeout``,
-    ``return_bound``, ``schedule_options``), as for :class:`~dynamiq.ddp.DynamiqState`; the
-    codec defaults to ``"dynamiq"``. ``error_feedback``: ``False``, ``True`` (a residual the
-    size of the unsharded gradient) or ``"shard"`` (the rank's own shard);
+    ``return_bound``, ``schedule_options``, ``verify``), as for
+    :class:`~dynamiq.ddp.DynamiqState`; the codec defaults to ``"dynamiq"``.
+    ``error_feedback``: ``False``, ``True`` (a residual the size of the unsharded gradient)
+    or ``"shard"`` (the rank's own shard);
     ``replicate_group``: compressed HSDP across replicas.
     """
 
@@ -303,6 +304,7 @@ class DynamiqReduceScatter(ReduceScatter):
             chunk_bounds=[(q * s, (q + 1) * s) for q in range(n)],
             residual=residual,
             return_bound=st.return_bound,
+            verify=st.options.verify,
         )
         assert isinstance(shard, Shard)  # synchronous
         self._finish(output_tensor, shard, how, factor, n)
@@ -376,6 +378,7 @@ class ReplicaAllReduce:
             timeout=st.timeout,
             transport=st.replicate_transport,
             schedule_options=st.schedule_options,
+            verify=st.options.verify,
         )
         assert isinstance(stats, AllReduceStats)
         with st._lock:

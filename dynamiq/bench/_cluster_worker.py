@@ -89,6 +89,7 @@ def _run_method(
                 transport=transport,
                 sub_chunk=int(spec["sub_chunk"]),
                 timeout=float(spec["timeout"]),
+                verify=bool(method.get("verify", False)),
             )
         elapsed = time.perf_counter() - t0
         cpu = time.process_time() - c0
@@ -138,6 +139,7 @@ def _reduce_scatter(
         transport=transport,
         sub_chunk=int(spec["sub_chunk"]),
         timeout=float(spec["timeout"]),
+        verify=bool(method.get("verify", False)),
         chunk_bounds=[(q * s, (q + 1) * s) for q in range(n)],
     )
     assert isinstance(shard, Shard) and shard.ranges == [(r * s, (r + 1) * s)]

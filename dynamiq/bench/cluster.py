@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import math
 import os
@@ -82,6 +83,7 @@ class ClusterBenchConfig:
     timeout: float = 900.0
     sysctls: tuple[tuple[str, str], ...] = ()
     collective: str = "allreduce"
+    verify: tuple[bool, ...] = (False,)  # each codec row with verify off and/or on
 
     def __post_init__(self) -> None:
         if not 2 <= self.ranks <= 64:
@@ -145,9 +147,16 @@ def _methods(cfg: ClusterBenchConfig) -> list[dict[str, Any]]:
     ]
     for codec in cfg.codecs:
         name = codec if isinstance(codec, str) else json.dumps(codec, sort_keys=True)
-        for sched in cfg.schedules:
+        for sched, verify in itertools.product(cfg.schedules, cfg.verify):
+            label = f"{name} {sched}" + (" verify" if verify else "")
             out.append(
-                {"kind": "dynamiq", "codec": codec, "schedule": sched, "label": f"{name} {sched}"}
+                {
+                    "kind": "dynamiq",
+                    "codec": codec,
+                    "schedule": sched,
+                    "verify": verify,
+                    "label": label,
+                }
             )
     return out
 
@@ -226,7 +235,9 @@ def _summarise(
         wire_rx = statistics.mean(res["counters"]["rx_bytes"] for res in results) / reps
         row: dict[str, Any] = {
             "rate": rate,
-            "method": "pytorch" if method["kind"] == "torch" else "dynamiq",
+            "method": "pytorch"
+            if method["kind"] == "torch"
+            else ("dynamiq verify" if method.get("verify") else "dynamiq"),
             "codec": method.get("dtype") if method["kind"] == "torch" else method["codec"],
             "schedule": "gloo" if method["kind"] == "torch" else method["schedule"],
             "seconds": seconds,
@@ -461,6 +472,19 @@ def markdown_report(result: dict[str, Any]) -> str:
 HELP = "all-reduce time on an emulated bandwidth-limited cluster (root; namespaces)"
 
 
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--verify",
+        choices=("off", "on", "both"),
+        default="off",
+        help="dynamiq rows with verify=True (per-message checksums and the status exchange), "
+        "without, or both in the same run (default off)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
 def add_parser(bsub: Any) -> argparse.ArgumentParser:
     """Add ``cluster`` to the ``dynamiq bench`` sub-commands."""
     p: argparse.ArgumentParser = bsub.add_parser(
@@ -574,9 +598,7 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
         "r gets [r·S, (r+1)·S); PyTorch rows: gloo's reduce_scatter_tensor; schedules: ring, "
         "power-of-two butterfly)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.add_argument("--markdown", action="store_true", help="print Markdown tables")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _add_output_args(p)
     p.set_defaults(func=cmd_cluster, check=check_args)
     return p
 
@@ -614,6 +636,7 @@ def check_args(args: argparse.Namespace) -> None:
         timeout=args.timeout,
         sysctls=tuple(sysctls),
         collective=args.collective,
+        verify={"off": (False,), "on": (True,), "both": (False, True)}[args.verify],
     )
 
 

@@ -24,6 +24,7 @@ from dynamiq.codecs.base import FLOAT_DTYPES
 from .engine import EngineResult, RunConfig, ScheduleRun
 from .options import (
     DEFAULT_THRESHOLD,
+    DEFAULT_VERIFY,
     CollectiveOptions,
     OptionKeywords,
     SeedlessKeywords,
@@ -215,6 +216,7 @@ def _config(opts: CollectiveOptions, return_bound: bool, **run: Any) -> RunConfi
         sub_chunk=opts.sub_chunk,
         return_bound=bound,
         timeout=opts.timeout,
+        verify=opts.verify if opts.verify is not None else DEFAULT_VERIFY,
         **run,
     )
 
@@ -371,7 +373,8 @@ def simulate_allreduce(
     to ``engine="threads"``, where the ranks are threads exchanging bytes through in-process
     mailboxes, running exactly the engine that runs over torch.distributed. Inputs are not
     modified. The options are those of :func:`allreduce`, except that ``threshold`` defaults
-    to 0 (every buffer compressed) and ``return_bound`` to ``True``.
+    to 0 (every buffer compressed) and ``return_bound`` to ``True``; ``verify`` checks the
+    messages of ``engine="threads"`` (the batched engine sends none).
     """
     if engine not in ("batched", "threads"):
         raise ValueError(f"engine must be 'batched' or 'threads' (got {engine!r})")

@@ -67,6 +67,18 @@ from .handshake import (
     describe_difference,
     run_prologue,
 )
+from .integrity import (
+    ALGORITHM,
+    CHECKSUM_BYTES,
+    IntegrityError,
+    Status,
+    checksum,
+    identity,
+    open_length,
+    pack_checksum,
+    seal_length,
+    unpack_checksum,
+)
 from .planning import RecvOp, RoundPlan, SendOp, chunk_bounds, chunk_layout, plan_schedule
 from .schedules import Schedule
 from .transport import PeerTimeoutError, Transport, TransportError, Work, open_collective
@@ -96,7 +108,9 @@ _LENGTH_SLACK = 1024
 class EngineResult:
     """What one rank's run produced and measured.
 
-    ``bytes_sent`` counts payloads, their length headers and the prologue's exchange;
+    ``bytes_sent`` counts payloads, their length headers, their checksums (``verify``) and
+    the prologue's exchange; ``control_bytes_sent`` the configuration check and the status
+    exchange;
     ``round_bytes[k]`` the payload and header bytes this rank sent in round ``k`` of the run
     (0 when it sent nothing), so ``sum(round_bytes)`` is ``bytes_sent`` less the prologue.
     """
@@ -109,6 +123,7 @@ class EngineResult:
     control_bytes_sent: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
     round_bytes: list[int] = field(default_factory=list)
+    status: Status | None = None  # the merged status (when the exchange ran)
 
 
 @dataclass(frozen=True)
@@ -133,6 +148,8 @@ class RunConfig:
     inplace: bool = False
     overlap: bool | None = None
     chunk_bounds: Sequence[tuple[int, int]] | None = None  # one [start, end) per chunk
+    verify: bool = False
+    status: bool | None = None  # the end-of-collective status exchange; None: as ``verify``
 
 
 # -- per-chunk state, incoming and outgoing pieces ---------------------------------------------
@@ -163,6 +180,7 @@ class _Incoming:
     work: Work | None = None
     bound_buf: torch.Tensor | None = None
     bound_work: Work | None = None
+    size: int = 0  # the payload's bytes (``buf`` holds its checksum too, with ``verify``)
 
 
 @dataclass
@@ -277,6 +295,10 @@ class ScheduleRun:
         self.result = EngineResult(output=torch.empty(0), bound=None)
         self.feedback = _ErrorFeedback(residual) if residual is not None else None
         self.bounds = _Bounds(x.numel(), x.device) if self.config.return_bound else None
+        self.verify = self.config.verify
+        self.status = Status(self.rank)
+        st = self.config.status
+        self.exchange_status = self.verify if st is None else st
         self.shared: dict[str, Any] | None = None
         self._given_plan = plan
         overlap = self.config.overlap
@@ -328,6 +350,8 @@ class ScheduleRun:
             "sub_chunk": cfg.sub_chunk,
             "return_bound": cfg.return_bound,
             "step": cfg.step,
+            "verify": ALGORITHM if self.verify else False,
+            "status": self.exchange_status,
             **(cfg.descriptor or {}),
         }
         self.result.control_bytes_sent += agree(self.transport, desc, cfg.timeout, self.x.device)
@@ -428,6 +452,14 @@ class ScheduleRun:
                     self.bounds.beta[a:b] = bj
         self.timer.add("decode", t)
         res = self.result
+        if self.exchange_status:
+            t = time.perf_counter()
+            self.status.exchange(self.transport, self.config.timeout, self.x.device)
+            self.timer.add("status", t)
+            res.control_bytes_sent += self.status.bytes_sent
+            res.status = self.status
+        # (without the exchange, ``status=False``, what this rank found is raised here only)
+        self.status.raise_for_error(f"{self.schedule.name} collective {self.transport.seq}")
         res.output = self.work
         res.bound = self.bounds.beta if self.bounds is not None else None
         res.seconds = self.timer.seconds
@@ -452,7 +484,9 @@ class ScheduleRun:
         return incoming
 
     def _post(self, inc: _Incoming, src: int, size: int) -> None:
-        inc.buf = torch.empty(size, dtype=torch.uint8, device=self.x.device)
+        inc.size = size
+        extra = CHECKSUM_BYTES if self.verify else 0
+        inc.buf = torch.empty(size + extra, dtype=torch.uint8, device=self.x.device)
         inc.work = self.transport.irecv(inc.buf, src)
         if self.bounds is not None:
             inc.bound_buf = self.bounds.receive_buffer(inc.op.codec, inc.b - inc.a)
@@ -466,7 +500,14 @@ class ScheduleRun:
         if inc.buf is None:  # data-dependent size: the length comes first
             hdr = torch.empty(1, dtype=torch.int64, device=self.x.device)
             self._wait(self.transport.irecv(hdr, src), k)
-            size = int(hdr[0])
+            opened = open_length(self._ident(k, inc.op.chunk, inc.j, src, self.rank), int(hdr[0]))
+            if opened is None:
+                # the size of the payload to receive is unknown: this rank cannot go on
+                raise IntegrityError(
+                    f"rank {self.rank}: the length header from peer {src} (chunk "
+                    f"{inc.op.chunk}, sub-chunk {inc.j}) failed its check{self._where(k)}"
+                )
+            size = opened
             valid = getattr(inc.op.codec, "valid_nbytes", None)  # optional codec check
             if not 0 <= size <= _LENGTH_PER_VALUE * (inc.b - inc.a) + _LENGTH_SLACK or (
                 valid is not None and not valid(inc.b - inc.a, size)
@@ -480,7 +521,23 @@ class ScheduleRun:
         self._wait(inc.work, k)
         if inc.bound_work is not None:
             self._wait(inc.bound_work, k)
+        if self.verify:  # the payload's last bytes are its checksum
+            payload, got = inc.buf[: inc.size], unpack_checksum(inc.buf[inc.size :])
+            inc.buf = payload
+            self.result.bytes_received += CHECKSUM_BYTES
+            ident = self._ident(k, inc.op.chunk, inc.j, src, self.rank)
+            if got != checksum(ident, payload, inc.bound_buf):
+                self._replace_corrupt(k, inc, src)
         return inc.buf
+
+    def _replace_corrupt(self, k: int, inc: _Incoming, src: int) -> None:
+        """A payload failed its checksum: record it (every rank raises at the end) and go on
+        with a valid stand-in (zeros, encoded; a zero bound), so the schedule completes."""
+        self.status.record("checksum", round_=k, peer=src, chunk=inc.op.chunk, sub=inc.j)
+        zeros = torch.zeros(inc.b - inc.a, dtype=torch.float32, device=self.x.device)
+        inc.buf = inc.op.codec.encode(zeros, self._ctx(inc.op.ctx, inc.a))
+        if inc.bound_buf is not None:
+            inc.bound_buf.zero_()
 
     def process_arrival(self, k: int, inc: _Incoming, fresh: dict[int, _State]) -> None:
         """Receive one sub-chunk and copy it, reduce it into a fused re-encoding, or keep the
@@ -594,20 +651,29 @@ class ScheduleRun:
         a, b = self.pieces[sop.chunk][j]
         payload, bnd = new.payloads[j], new.bounds[j]
         nbytes = payload.numel()
+        k, ch = sends.k, sop.chunk
         if sop.codec.encoded_nbytes(b - a, self._ctx(sop.ctx, a)) is None:
-            hdr = torch.tensor([payload.numel()], dtype=torch.int64, device=self.x.device)
+            word = seal_length(self._ident(k, ch, j, self.rank, dst), payload.numel())
+            hdr = torch.tensor([word], dtype=torch.int64, device=self.x.device)
             sends.pending.append(self.transport.isend(hdr, dst))
             nbytes += 8
-        sends.pending.append(self.transport.isend(payload, dst))
-        self.result.bytes_sent += nbytes
-        self.result.round_bytes[sends.k] += nbytes
+        packed = None
         if self.bounds is not None:
             assert bnd is not None
             packed = self.bounds.pack(bnd, sop.codec)
-            sends.pending.append(self.transport.isend(packed, dst))
             self.result.bound_bytes_sent += packed.numel() * 8
             # keep what the receiver gets, so every rank ends with the same bound
             new.bounds[j] = self.bounds.unpack(packed, sop.codec, b - a)
+        wire = payload
+        if self.verify:  # the checksum rides at the end of the payload: no extra message
+            crc = checksum(self._ident(k, ch, j, self.rank, dst), payload, packed)
+            wire = torch.cat([payload, pack_checksum(crc, payload.device)])
+            nbytes += CHECKSUM_BYTES
+        sends.pending.append(self.transport.isend(wire, dst))
+        if packed is not None:
+            sends.pending.append(self.transport.isend(packed, dst))
+        self.result.bytes_sent += nbytes
+        self.result.round_bytes[k] += nbytes
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -645,6 +711,11 @@ class ScheduleRun:
             d = self.deferred.pop(0)
             self.work[d.a : d.b] = d.codec.decode(d.payload, d.b - d.a, self._ctx(d.ctx, d.a))
         self.timer.add("decode", t)
+
+    def _ident(self, k: int, chunk: int, j: int, src: int, dst: int) -> bytes:
+        """The identity of sub-chunk ``j`` of ``chunk`` sent in round ``k`` from ``src`` to
+        ``dst`` (:func:`~dynamiq.collectives.integrity.identity`)."""
+        return identity(self.transport.seq, k, chunk, j, src, dst)
 
     def _where(self, k: int) -> str:
         return f" (round {k} of {len(self.plan)}, schedule {self.schedule.name})"

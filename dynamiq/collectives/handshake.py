@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: Version of the engine's wire protocol (message order, headers); ranks must agree on it.
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: sealed length headers (dynamiq/collectives/integrity.py)
 
 #: Largest handshake message accepted (bytes): anything larger is a malformed peer.
 _MAX_BLOB = 1 << 24

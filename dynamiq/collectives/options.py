@@ -28,10 +28,19 @@ from dynamiq.codecs import Codec, get_codec
 
 from .schedules import Schedule, ScheduleError, list_schedules
 
-__all__ = ["DEFAULT_THRESHOLD", "CollectiveOptions", "OptionKeywords", "merge_options"]
+__all__ = [
+    "DEFAULT_THRESHOLD",
+    "DEFAULT_VERIFY",
+    "CollectiveOptions",
+    "OptionKeywords",
+    "merge_options",
+]
 
 #: Buffers with fewer elements than this go uncompressed (fp32) by default.
 DEFAULT_THRESHOLD = 1024
+#: Whether collectives check every message (``verify``) unless told otherwise (docs/benchmarks.md,
+#: "Message integrity": its measured cost decides).
+DEFAULT_VERIFY = False
 _OPS = ("sum", "avg")
 
 
@@ -61,6 +70,10 @@ class CollectiveOptions:
         threshold: buffers with fewer elements go uncompressed (fp32).
         timeout: seconds to wait for a peer before raising ``PeerTimeoutError``.
         return_bound: compute the certified per-element bound of the result.
+        verify: a checksum on every message over its bytes and identity, and the
+            end-of-collective status exchange, so a corrupted, misrouted or reordered
+            message raises ``IntegrityError`` on every rank (docs/reliability.md,
+            "Integrity"); ``None``: the calling function's default, :data:`DEFAULT_VERIFY`.
     """
 
     codec: Codec | str | Mapping[str, Any] | None = None
@@ -73,6 +86,7 @@ class CollectiveOptions:
     threshold: int | None = None
     timeout: float = 300.0
     return_bound: bool | None = None
+    verify: bool | None = None
 
     def __post_init__(self) -> None:
         if self.codec is not None:
@@ -98,6 +112,8 @@ class CollectiveOptions:
             raise TypeError(f"schedule_options must be a mapping (got {self.schedule_options!r})")
         if self.return_bound is not None and not isinstance(self.return_bound, bool):
             raise TypeError(f"return_bound must be True or False (got {self.return_bound!r})")
+        if self.verify is not None and not isinstance(self.verify, bool):
+            raise TypeError(f"verify must be True or False (got {self.verify!r})")
 
     def replace(self, **changes: Any) -> CollectiveOptions:
         """A copy with ``changes`` (checked like a new one)."""
@@ -125,6 +141,7 @@ class SeedlessKeywords(TypedDict, total=False):
     threshold: int | None
     timeout: float | None
     return_bound: bool | None
+    verify: bool | None
 
 
 class OptionKeywords(SeedlessKeywords, total=False):

@@ -57,12 +57,15 @@ def run_gloo(
     *args: Any,
     timeout: float = 120.0,
     pg_timeout: float = 60.0,
+    exitcodes: list[int | None] | None = None,
 ) -> list[tuple[str, Any]]:
     """Spawn ``world_size`` processes running ``fn(rank, world_size, *args)`` under gloo.
 
     ``fn`` must be importable (module level). Returns ``[(status, value)]`` per rank, where
     status is ``"ok"`` (value: the return value) or ``"error"`` (value: the traceback text);
     a rank that reported nothing within ``timeout`` seconds shows as ``("missing", None)``.
+    ``exitcodes``, when given, receives each process's exit code (negative: killed by that
+    signal; ``None``: still running, then killed).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -75,19 +78,32 @@ def run_gloo(
         p.start()
     results: list[tuple[str, Any]] = [("missing", None)] * world_size
     import queue as queue_mod
+    import time
 
+    deadline = time.monotonic() + timeout
+    waiting, gone_since = set(range(world_size)), None
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout)
+        while waiting and time.monotonic() < deadline:
+            try:
+                rank, status, value = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                # a rank whose process exited without reporting (killed) never will
+                if all(not procs[r].is_alive() for r in waiting):
+                    gone_since = gone_since or time.monotonic()
+                    if time.monotonic() - gone_since > 2.0:
+                        break
+                continue
             if status == "ok":
                 value = torch.load(io.BytesIO(value), weights_only=False)
             results[rank] = (status, value)
-    except queue_mod.Empty:
-        pass
+            waiting.discard(rank)
     finally:
         for p in procs:
             p.join(timeout=10)
+            code = p.exitcode
             if p.is_alive():
                 p.kill()
                 p.join()
+            if exitcodes is not None:
+                exitcodes.append(code)
     return results
