@@ -19,7 +19,7 @@ of **groups** of ``group`` values (16). Per span, the wire holds:
   every span: the bucket's ``floor(bits_k · N)`` bits pooled over all its spans, each chunk
   of the collective holding at most ``balance`` times its uniform share (so every rank sends
   about as much in every round). Bytes per value (prologue included) stay
-  ``bits_k + 80/span + 16/span`` bits: 5.0 by default;
+  ``bits_k + 80/span + 16/span`` bits: 4.995 by default (5.0 at most);
 * ``pooling="span"``, or without the prologue's result (``ctx.shared``): ``floor(bits_k ·
   len)`` for a span of ``len`` values (the first version's design: pooled over the span only;
   ``span=65536, super_group=1024, bits=4.7`` is that version's default, wire-identical).
@@ -295,7 +295,7 @@ class DynamiqCodec(Codec):
     #: the absolute term of the bound (fp32's smallest subnormal; a ClassVar, not config)
     _bound_abs: ClassVar[float] = 2.0**-149
 
-    bits: float = 4.625
+    bits: float = 4.62
     span: int = 256
     super_group: int = 256
     group: int = 16

@@ -117,6 +117,15 @@ class _CountingComm:
         self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1)
         return [tensor] * self.world_size
 
+    def allreduce(self, tensor: Any, op: str) -> Any:
+        """The engine's ring (``PrologueComm.allreduce``): ``2 (n - 1) / n`` of the bytes
+        (rank 0's share: every piece but pieces 1 and 2 of ``n``)."""
+        n, length = self.world_size, tensor.numel()
+        if n > 1:
+            piece = [length * (i + 1) // n - length * i // n for i in range(n)]
+            self.bytes_sent += tensor.element_size() * (2 * length - piece[1 % n] - piece[2 % n])
+        return tensor
+
 
 def prologue_bytes(codec: Any, ranks: int, numel: int) -> int:
     """Bytes a rank sends in ``codec``'s prologue (0 without one), from a run on zeros."""
@@ -147,7 +156,9 @@ def wire_bytes(
                 for a, b in pieces[op.chunk]:
                     nb, ex = _piece_bytes(op.codec, a, b, op.ctx)
                     sent[r] += nb
-                    exact &= ex
+                    # DynamiQ pooled over the bucket: each chunk's bytes follow the data
+                    # (within `balance` times the uniform budget predicted here)
+                    exact &= ex and getattr(op.codec, "pooling", None) != "bucket"
     return sent, exact
 
 
