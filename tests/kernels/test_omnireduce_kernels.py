@@ -409,7 +409,7 @@ def gpu_check_input(n: int, b: int, seed: int, first: int) -> torch.Tensor:
     return e.float()
 
 
-@pytest.mark.parametrize("fmt", ["fp32", pytest.param("fp16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16"])
 def test_gpu_tile_geometry(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU check's ``omnireduce_d0.1_fp32_b8192`` case with the GPU's tiles (2048 values:
     a block of 8192 is 4 strided slices), under the interpreter on the CPU: an fp16 input
