@@ -237,7 +237,7 @@ def test_block_norms_are_the_reference_tree(bs: int | str, monkeypatch: pytest.M
         assert bool((seq.cpu() != want[:3].cpu()).any())
 
 
-@pytest.mark.parametrize("bs", [4, 256, pytest.param("2 tiles", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("bs", [4, 256, "2 tiles"])
 def test_threshold_on_a_block_norm(bs: int | str) -> None:
     """``ctx.shared``'s ``τ`` set to the reference norm of one block and ``i*`` just at and
     below its index: whether that block is sent depends on the last bit of its norm."""
