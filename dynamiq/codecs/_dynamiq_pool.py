@@ -48,10 +48,6 @@ SHARED_KEY = "dynamiq.pool"
 #: each rank measures its demand at this many bits/value below the codec's ``bits``: the
 #: partial sums concentrate the budget more than one rank's gradient does (docs/benchmarks.md)
 DEMAND_OFFSET = 2.0
-#: the share of every span's budget that is uniform (hedges the demand's misprediction)
-UNIFORM_SHARE = 0.0
-#: largest bf16 value: a super-group scale beyond it would round up to infinity
-BF16_MAX = float.fromhex("0x1.fep127")
 
 
 def _dtype(codec: DynamiqCodec) -> torch.dtype:
@@ -288,8 +284,7 @@ def _distribute(
     n_seg = total.numel()
     seg_len = _segment_sum(lens, seg, n_seg)
     want = _segment_sum(demand, seg, n_seg)
-    uni = torch.floor(UNIFORM_SHARE * 8 * total.double()).to(torch.int64)
-    uni = torch.where(want > 0, uni, 8 * total)
+    uni = torch.where(want > 0, 0, 8 * total)  # a segment demanding nothing: all even
     even = lens * uni[seg] // seg_len[seg].clamp(min=1)
     prop = demand * (8 * total - uni)[seg] // want[seg].clamp(min=1)
     out = torch.minimum((even + prop) // 8, lens)

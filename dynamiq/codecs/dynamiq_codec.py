@@ -432,12 +432,12 @@ class DynamiqCodec(Codec):
         of int16s, and check the input range on every rank (see
         :mod:`dynamiq.codecs._dynamiq_pool`); ``None`` for ``pooling="span"``. The chunks
         come from ``comm.chunks`` (the engine's), else the whole buffer is one region."""
-        if self.pooling != "bucket":
-            return None
         from dynamiq.collectives.handshake import allreduce_exact  # not at import: cycle
 
         chunks = getattr(comm, "chunks", None)
         stats = self.prologue_statistics(x, comm.rank, chunks)
+        if stats is None:
+            return None
         reduced = allreduce_exact(comm, stats, "max")
         return self.prologue_result(reduced, x.numel(), comm.world_size, chunks)
 
@@ -447,8 +447,11 @@ class DynamiqCodec(Codec):
 
     def prologue_statistics(
         self, x: torch.Tensor, rank: int, chunks: list[tuple[int, int]] | None
-    ) -> torch.Tensor:
-        """This rank's part of the prologue: its per-span demand and flags (integers)."""
+    ) -> torch.Tensor | None:
+        """This rank's part of the prologue: its per-span demand and flags (integers);
+        ``None`` for ``pooling="span"`` (no prologue)."""
+        if self.pooling != "bucket":
+            return None
         regions = _pool.regions_of(self, x.numel(), chunks)
         return _pool.span_statistics(self, x, rank, regions)
 

@@ -72,7 +72,9 @@ def batch_fields(codec: Codec) -> tuple[str, ...] | None:
     with nearest rounding reads ``hop`` and ``num_hops`` when ``hop_slope`` moves its budget.
     """
     cls = type(codec)
-    if callable(getattr(codec, "prologue", None)):
+    if cls is DynamiqCodec and codec.pooling == "bucket":  # type: ignore[attr-defined]
+        return None  # its budgets come from the prologue, by global offset
+    if callable(getattr(codec, "prologue", None)) and cls is not DynamiqCodec:
         return None
     if cls in _CONTEXT_FREE:
         return ()
@@ -427,7 +429,7 @@ class _Sim:
         if not callable(fn):
             return
         t = time.perf_counter()
-        if callable(getattr(codec, "prologue_statistics", None)) and self.pooling_pending(codec):
+        if callable(getattr(codec, "prologue_statistics", None)):
             self.reduced_prologue(codec, xs)
         else:
             # the engine's chunks, as its prologue gets them
@@ -440,17 +442,15 @@ class _Sim:
             self.group[r] = next(q for q in range(r + 1) if _same(self.shared[q], self.shared[r]))
         self.tick("prologue", t)
 
-    @staticmethod
-    def pooling_pending(codec: Codec) -> bool:
-        """Whether ``codec``'s prologue runs (a DynamiQ codec pooled over the bucket)."""
-        return getattr(codec, "pooling", None) == "bucket"
-
     def reduced_prologue(self, codec: Any, xs: Sequence[torch.Tensor]) -> None:
         """A prologue that is one exact all-reduce of per-rank statistics, in process: the
         same result as the engine's ring (:meth:`PrologueComm.allreduce`), whose bytes are
         counted (each rank sends every piece but one in each half, receives likewise)."""
         chunks = list(self.bounds)
         stats = [codec.prologue_statistics(xs[r], r, chunks) for r in range(self.n)]
+        if stats[0] is None:  # the codec's prologue has nothing to agree on here
+            self.shared = [None] * self.n
+            return
         stack = torch.stack([s.to(torch.int64) for s in stats])
         op = codec.prologue_op
         red = stack.amax(0) if op == "max" else stack.amin(0) if op == "min" else stack.sum(0)
