@@ -90,14 +90,18 @@ inline void load_values_any(int kind, const void* src, int64_t start, int64_t cn
 
 // -- threads --------------------------------------------------------------------------------
 
-// fn(tile0, tile1, thread) over [0, ntiles) split into nthreads contiguous ranges
+// fn(tile0, tile1, thread) over [0, ntiles) split into at most nthreads contiguous ranges,
+// each non-empty (tile0 < tile1): callers compute byte counts such as (tile1 - tile0) * size
+// from them. With ceil(ntiles / nthreads) tiles a range, fewer ranges than threads may cover
+// the tiles (5 tiles on 4 threads: 2 + 2 + 1), so the thread count is that of the ranges.
 template <class F>
 bool parallel_tiles(int64_t ntiles, int nthreads, F fn) {
   nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, ntiles));
+  const int64_t per = (ntiles + nthreads - 1) / nthreads;
+  nthreads = (int)std::max<int64_t>(1, (ntiles + per - 1) / per);
   if (nthreads == 1) return fn(0, ntiles, 0);
   std::vector<char> ok(nthreads, 0);
   std::vector<std::thread> pool;
-  int64_t per = (ntiles + nthreads - 1) / nthreads;
   try {
     for (int t = 1; t < nthreads; t++) {
       int64_t a = std::min<int64_t>(ntiles, t * per), b = std::min<int64_t>(ntiles, a + per);

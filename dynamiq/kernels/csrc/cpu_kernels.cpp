@@ -90,7 +90,9 @@ void unpack(const uint8_t* __restrict stream, int64_t nbytes, int64_t g0, int64_
   const int64_t full = avail / BITS;
   // groups whose 8-byte load stays inside the stream read 8 bytes (a few beyond the group,
   // masked off): one load instead of a byte-by-byte BITS-byte copy
-  const int64_t wide = std::min<int64_t>(full, std::max<int64_t>(0, (nbytes - b0 - 8) / BITS + 1));
+  // (C++ division truncates toward zero: fewer than 8 bytes left must give 0, not 1)
+  const int64_t room = nbytes - b0 - 8;
+  const int64_t wide = room < 0 ? 0 : std::min<int64_t>(full, room / BITS + 1);
   for (int64_t g = 0; g < wide; g++) {
     uint64_t w;
     std::memcpy(&w, stream + b0 + g * BITS, 8);
