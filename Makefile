@@ -10,7 +10,7 @@ PLUGIN := examples/dynamiq-nf4
 TORCH_CPU := torch==2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean sanitize
 
 venv: $(STAMP)
 
@@ -29,6 +29,15 @@ demo: $(STAMP)
 
 test: lint
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q
+
+# the native CPU kernels' tests under AddressSanitizer: a debugging build of csrc/ (its own cache
+# entry) in a process with the compiler's libasan preloaded; any out-of-bounds access aborts
+# with a report (see docs/design.md, "Kernels")
+ASAN_LIB = $(shell $${CXX:-g++} -print-file-name=libasan.so 2>/dev/null)
+sanitize: $(STAMP)
+	DYNAMIQ_CPU_SANITIZE=address LD_PRELOAD=$(ASAN_LIB) ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} \
+	$(PY) -X faulthandler -m pytest -q -x -m 'not slow and not distributed' tests/kernels tests/codecs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dynamiq tests benchmarks examples

@@ -114,6 +114,9 @@ FLAGS = (
     "-std=c++17",
 )
 _LINK = ("-pthread",)
+#: ``DYNAMIQ_CPU_SANITIZE=address``: a debugging build under AddressSanitizer (its own cache
+#: entry); the process must preload the compiler's libasan: ``make sanitize`` does both
+_SANITIZE = {"address": ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address")}
 _ABI_VERSION = 4
 
 
@@ -286,12 +289,27 @@ def _cpu_identity() -> str:
     return "\n".join(parts)
 
 
+def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(compile flags, link flags): ``FLAGS`` and ``_LINK``, or their sanitized variant."""
+    mode = os.environ.get("DYNAMIQ_CPU_SANITIZE", "")
+    if not mode:
+        return FLAGS, _LINK
+    if mode not in _SANITIZE:
+        raise RuntimeError(
+            f"DYNAMIQ_CPU_SANITIZE={mode!r} is not one of {sorted(_SANITIZE)} (or empty)"
+        )
+    extra = _SANITIZE[mode]
+    base = tuple(f for f in FLAGS if not f.startswith("-O"))
+    return (*base, *extra), (*_LINK, extra[-1])
+
+
 def library_path(compiler: str | None = None) -> Path:
     """Where the library built for this source, compiler and CPU is cached."""
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
-    for part in (*FLAGS, *_LINK, "-march=native", str(compiler or _compiler()), _cpu_identity()):
+    flags, link = _flags()
+    for part in (*flags, *link, "-march=native", str(compiler or _compiler()), _cpu_identity()):
         h.update(b"\0" + part.encode())
     return _cache_dir() / f"dynamiq_cpu_kernels-v{_ABI_VERSION}-{h.hexdigest()[:16]}.so"
 
@@ -306,7 +324,8 @@ def _build(cxx: str, dest: Path) -> None:
         fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=dest.parent)
         os.close(fd)
         digest: Path | None = None
-        cmd = [cxx, *FLAGS, *arch, "-o", tmp, *map(str, SOURCES), *_LINK]
+        flags, link = _flags()
+        cmd = [cxx, *flags, *arch, "-o", tmp, *map(str, SOURCES), *link]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
             if proc.returncode == 0:

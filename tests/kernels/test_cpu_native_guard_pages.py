@@ -110,3 +110,19 @@ def test_no_kernel_reads_or_writes_past_its_buffers() -> None:
     )
     assert "checked" in proc.stdout
     assert int(proc.stdout.split("checked")[-1]) > 500
+
+
+def test_sanitized_build_is_its_own_cache_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DYNAMIQ_CPU_SANITIZE=address`` (``make sanitize``) compiles with AddressSanitizer into
+    a library of its own name; an unknown mode is an error naming it, not a silent build."""
+    monkeypatch.delenv("DYNAMIQ_CPU_SANITIZE", raising=False)
+    plain = cpu_native.library_path("g++")
+    assert "-fsanitize=address" not in cpu_native._flags()[0]
+    monkeypatch.setenv("DYNAMIQ_CPU_SANITIZE", "address")
+    flags, link = cpu_native._flags()
+    assert "-fsanitize=address" in flags and "-fsanitize=address" in link
+    assert "-O3" not in flags and "-ffp-contract=off" in flags
+    assert cpu_native.library_path("g++") != plain
+    monkeypatch.setenv("DYNAMIQ_CPU_SANITIZE", "thread-ish")
+    with pytest.raises(RuntimeError, match="DYNAMIQ_CPU_SANITIZE='thread-ish'"):
+        cpu_native._flags()
