@@ -212,6 +212,7 @@ def test_state_dict_error_feedback_bf16_no_sync_static_graph() -> None:
         assert a["checksum"] == b["checksum"]  # replicas stay identical
 
 
+@pytest.mark.slow  # ~15-22 s: torchrun, 2 ranks, the example end to end
 def test_example_script_under_torchrun(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import json
     import subprocess

@@ -406,6 +406,7 @@ def test_int8_and_dynamiq_train_like_default_fsdp2() -> None:
         assert abs(tail(name) - base) / base <= allowed, (name, report, allowed)
 
 
+@pytest.mark.slow  # ~12-18 s: torchrun, 2 ranks, the example end to end
 def test_example_script_under_torchrun(tmp_path: Any) -> None:
     import json
     import subprocess

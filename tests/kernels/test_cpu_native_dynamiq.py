@@ -379,6 +379,7 @@ def test_thread_count_does_not_change_the_bytes(monkeypatch: pytest.MonkeyPatch)
     check_all(codecs[0], x, local, (ctx, out_ctx), "after the thread runs")
 
 
+@pytest.mark.slow  # ~12-19 s: a second full compile of the kernels
 def test_portable_build_bit_exact(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The loops that machines without AVX-512 run (built here with -DDQ_PORTABLE; a few
     seconds), for group sizes the vector code would otherwise take."""

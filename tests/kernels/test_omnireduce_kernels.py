@@ -237,7 +237,7 @@ def test_block_norms_are_the_reference_tree(bs: int | str, monkeypatch: pytest.M
         assert bool((seq.cpu() != want[:3].cpu()).any())
 
 
-@pytest.mark.parametrize("bs", [4, 256, "2 tiles"])
+@pytest.mark.parametrize("bs", [4, 256, pytest.param("2 tiles", marks=pytest.mark.slow)])
 def test_threshold_on_a_block_norm(bs: int | str) -> None:
     """``ctx.shared``'s ``τ`` set to the reference norm of one block and ``i*`` just at and
     below its index: whether that block is sent depends on the last bit of its norm."""
@@ -409,7 +409,7 @@ def gpu_check_input(n: int, b: int, seed: int, first: int) -> torch.Tensor:
     return e.float()
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "fp16"])
+@pytest.mark.parametrize("fmt", ["fp32", pytest.param("fp16", marks=pytest.mark.slow)])
 def test_gpu_tile_geometry(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU check's ``omnireduce_d0.1_fp32_b8192`` case with the GPU's tiles (2048 values:
     a block of 8192 is 4 strided slices), under the interpreter on the CPU: an fp16 input
