@@ -45,6 +45,9 @@ __all__ = [
 
 #: the key of the prologue's result in ``HopContext.shared``
 SHARED_KEY = "dynamiq.pool"
+#: a chunk the prologue re-cuts holds at most this fraction more values than the mean chunk
+#: (``chunk_sizes``' measure stays within 1.1): what bytes can be balanced within
+RECUT_SLACK = 0.1
 #: each rank measures its demand at this many bits/value below the codec's ``bits``: the
 #: partial sums concentrate the budget more than one rank's gradient does (docs/benchmarks.md)
 DEMAND_OFFSET = 2.0
@@ -192,10 +195,17 @@ def shared_from_statistics(
     numel: int,
     world_size: int,
     regions: list[tuple[int, int]],
+    recut_align: int | None = None,
+    parts: int | None = None,
 ) -> dict[str, Any]:
     """``HopContext.shared`` from the all-reduced (max) statistics of the buffer cut into
     ``regions``; raises ``ValueError``, on every rank alike, for input beyond
-    ``max_input_abs`` on any rank, or partial sums that could grow beyond it."""
+    ``max_input_abs`` on any rank, or partial sums that could grow beyond it.
+
+    ``recut_align``: the engine lets the prologue choose the bounds of its ``parts``
+    chunks (multiples of that many values): the regions become the cut of equal bytes
+    (:func:`recut`), returned under ``CHUNK_BOUNDS_KEY`` (``dynamiq.collectives.planning``)
+    for the engine."""
     stats = reduced.to(torch.int64).cpu().reshape(-1)
     lens = _span_lengths(codec, regions)
     n_spans = lens.numel()
@@ -220,17 +230,75 @@ def shared_from_statistics(
             f"dynamiq: a value of |x| >= 2^{top} on some rank: partial sums of {c} ranks could "
             f"exceed max_input_abs={codec.max_input_abs!r}; keep |x| below {limit:.3g}"
         )
+    demand = stats[:n_spans].clamp(min=0).clone()
+    out: dict[str, Any] = {}
+    parts = len(regions) if parts is None else parts
+    if recut_align is not None and parts > 1 and numel > 0:
+        from dynamiq.collectives.planning import CHUNK_BOUNDS_KEY  # not at import: cycle
+
+        regions = recut(codec, demand, lens, numel, parts, recut_align)
+        out[CHUNK_BOUNDS_KEY] = list(regions)
+        regions = [(a, b) for a, b in regions if b > a]
     first = [0]
     for a, b in regions:
         first.append(first[-1] + -(-(b - a) // codec.span))
-    pool = Pool(
-        demand=stats[:n_spans].clamp(min=0).clone(),
-        lens=lens,
-        numel=numel,
-        regions=tuple(regions),
-        first=tuple(first),
+    out[SHARED_KEY] = Pool(
+        demand=demand, lens=lens, numel=numel, regions=tuple(regions), first=tuple(first)
     )
-    return {SHARED_KEY: pool}
+    return out
+
+
+def recut(
+    codec: DynamiqCodec,
+    demand: torch.Tensor,
+    lens: torch.Tensor,
+    numel: int,
+    parts: int,
+    align: int,
+) -> list[tuple[int, int]]:
+    """``parts`` chunk bounds (multiples of ``align``, a multiple of the span, but the
+    buffer's end) whose largest chunk holds the fewest bytes of the whole-bucket budgets
+    (uncapped), among those of at most ``1 + RECUT_SLACK`` times the mean chunk's values
+    (or the even cut's largest, if more): a binary search on the bytes, each tried by the
+    greedy cover that takes the most units it may (optimal for a limit on every chunk).
+    Integer arithmetic on shared data: every rank finds the same cut."""
+    if align % codec.span:
+        raise ValueError(f"dynamiq: chunks aligned to {align} values cut spans of {codec.span}")
+    units = -(-numel // align)
+    zero = torch.zeros(lens.numel(), dtype=torch.int64)
+    total = torch.tensor([math.floor(codec.bits * numel) // 8])
+    whole = _distribute(demand, lens, zero, total)
+    per_unit = torch.arange(lens.numel()) // (align // codec.span)
+    cum = torch.cat([zero[:1], _segment_sum(whole, per_unit, units).cumsum(0)]).tolist()
+    mean = numel / parts
+    most = max(int((1 + RECUT_SLACK) * mean) // align, -(-numel // (parts * align)), 1)
+
+    def cover(limit: int) -> list[int] | None:
+        cuts = [0]
+        while cuts[-1] < units and len(cuts) <= parts:
+            at = cuts[-1]
+            end = min(at + most, bisect.bisect_right(cum, cum[at] + limit) - 1, units)
+            if end <= at:
+                return None
+            cuts.append(end)
+        return cuts if cuts[-1] == units else None
+
+    lo, hi = 0, cum[-1]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cover(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    got = cover(lo)
+    assert got is not None  # the even cut is one such cover
+    while len(got) < parts + 1:  # fewer chunks: split the longest (never more bytes)
+        i = max(range(len(got) - 1), key=lambda j: (got[j + 1] - got[j], -j))
+        if got[i + 1] - got[i] < 2:
+            got.append(units)  # single units all: empty chunks at the end
+            continue
+        got.insert(i + 1, (got[i] + got[i + 1]) // 2)
+    return [(min(a * align, numel), min(b * align, numel)) for a, b in itertools.pairwise(got)]
 
 
 @dataclass(eq=False)
@@ -326,7 +394,8 @@ def span_budgets(pool: Pool, bits: float, balance: float) -> torch.Tensor:
     """Bytes of every span's container (int64, CPU) for ``bits`` bits/value (memoized in
     ``pool``): the buffer's ``floor(bits·N) // 8`` bytes shared among its spans in proportion
     to their demand (at most a byte a value), each region holding at most ``balance`` times
-    its uniform share ``floor(bits·len) // 8`` (the excess goes to the others)."""
+    the mean of the regions' uniform shares ``floor(bits·len) // 8`` (the excess goes to
+    the others)."""
     got = pool.budgets.get(bits)
     if got is not None:
         return got
@@ -336,8 +405,12 @@ def span_budgets(pool: Pool, bits: float, balance: float) -> torch.Tensor:
     uniform = torch.tensor([math.floor(bits * (b - a)) // 8 for a, b in pool.regions])
     whole = _distribute(demand, lens, torch.zeros_like(seg), uniform.sum().view(1))
     pooled = _segment_sum(whole, seg, n_seg)
+    # every region at most `balance` times the mean region's share: the largest message of
+    # a round over the mean (a region of fewer values may hold more bytes per value)
+    mean = int(uniform.sum()) / max(n_seg, 1)
     cap = torch.minimum(
-        torch.floor(uniform.double() * balance).to(torch.int64), _segment_sum(lens, seg, n_seg)
+        torch.full((n_seg,), math.floor(mean * balance), dtype=torch.int64),
+        _segment_sum(lens, seg, n_seg),
     )
     out = _distribute(demand, lens, seg, _region_totals(pooled, uniform, cap))
     pool.budgets[bits] = out

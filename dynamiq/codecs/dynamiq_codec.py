@@ -16,9 +16,11 @@ of **groups** of ``group`` values (16). Per span, the wire holds:
 * ``pooling="bucket"`` (default) inside a collective: the codec's :meth:`DynamiqCodec.prologue`
   (one exact all-reduce of an int16 per span, :mod:`dynamiq.codecs._dynamiq_pool`) gives
   every rank the same per-span demand, and from it every rank derives the same budget of
-  every span: the bucket's ``floor(bits_k · N)`` bits pooled over all its spans, each chunk
-  of the collective holding at most ``balance`` times its uniform share (so every rank sends
-  about as much in every round). Bytes per value (prologue included) stay
+  every span: the bucket's ``floor(bits_k · N)`` bits pooled over all its spans. In an
+  all-reduce the prologue also moves the engine's chunk cuts to equal bytes (each chunk
+  within 1.1 times the mean chunk's values), and every chunk holds at most ``balance``
+  times the mean chunk's uniform share (so every rank sends about as much in every round).
+  Bytes per value (prologue included) stay
   ``bits_k + 80/span + 16/span`` bits: 4.995 by default (5.0 at most);
 * ``pooling="span"``, or without the prologue's result (``ctx.shared``): ``floor(bits_k ·
   len)`` for a span of ``len`` values (the first version's design: pooled over the span only;
@@ -305,7 +307,7 @@ class DynamiqCodec(Codec):
     pooled: bool = True
     scale_steps: int = 2
     pooling: str = "bucket"
-    balance: float = 1.3
+    balance: float = 1.15
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
@@ -439,7 +441,8 @@ class DynamiqCodec(Codec):
         if stats is None:
             return None
         reduced = allreduce_exact(comm, stats, "max")
-        return self.prologue_result(reduced, x.numel(), comm.world_size, chunks)
+        align = getattr(comm, "recut_align", None)
+        return self.prologue_result(reduced, x.numel(), comm.world_size, chunks, align)
 
     #: how :meth:`prologue` combines the ranks' :meth:`prologue_statistics` (the simulator
     #: reduces them in process, counting the bytes of the engine's ring)
@@ -461,11 +464,16 @@ class DynamiqCodec(Codec):
         numel: int,
         world_size: int,
         chunks: list[tuple[int, int]] | None,
+        recut_align: int | None = None,
     ) -> dict[str, Any]:
         """``HopContext.shared`` from the all-reduced statistics (raises ``ValueError`` on bad
-        input of any rank)."""
+        input of any rank); with ``recut_align`` (the engine's ``PrologueComm.recut_align``)
+        it also holds the chunk bounds of equal bytes the engine then cuts by."""
         regions = _pool.regions_of(self, numel, chunks)
-        return _pool.shared_from_statistics(self, reduced, numel, world_size, regions)
+        parts = len(chunks) if chunks else 1
+        return _pool.shared_from_statistics(
+            self, reduced, numel, world_size, regions, recut_align, parts
+        )
 
     def _blocks(self, numel: int, compiled_op: str | None = None) -> list[tuple[int, int, int]]:
         """``(first span, spans, length)`` of each block processed together: runs of full

@@ -79,7 +79,16 @@ from .integrity import (
     seal_length,
     unpack_checksum,
 )
-from .planning import RecvOp, RoundPlan, SendOp, chunk_bounds, chunk_layout, plan_schedule
+from .planning import (
+    RecvOp,
+    RoundPlan,
+    SendOp,
+    chunk_bounds,
+    chunk_layout,
+    layout_align,
+    plan_schedule,
+    prologue_bounds,
+)
 from .schedules import Schedule
 from .transport import PeerTimeoutError, Transport, TransportError, Work, open_collective
 
@@ -300,6 +309,7 @@ class ScheduleRun:
         st = self.config.status
         self.exchange_status = self.verify if st is None else st
         self.shared: dict[str, Any] | None = None
+        self.recut: list[tuple[int, int]] | None = None  # chunk bounds the prologue chose
         self._given_plan = plan
         overlap = self.config.overlap
         self.overlap = x.device.type == "cpu" if overlap is None else overlap
@@ -365,7 +375,11 @@ class ScheduleRun:
         comm.chunks, _ = chunk_layout(
             self.x.numel(), self.schedule, self.codec, cfg.sub_chunk, cfg.chunk_bounds
         )
+        if cfg.chunk_bounds is None and cfg.outputs is None and cfg.rounds is None:
+            comm.recut_align = layout_align(self.schedule, self.codec)  # a whole all-reduce
         self.shared = run_prologue(self.codec, self.x, comm)
+        if comm.recut_align is not None:
+            self.recut = prologue_bounds(self.shared, self.x.numel(), self.schedule, self.codec)
         self.result.bytes_sent += comm.bytes_sent
         self.result.bytes_received += comm.bytes_received
         return True
@@ -377,9 +391,8 @@ class ScheduleRun:
             self.schedule, self.codec, seed=cfg.seed, step=cfg.step, rounds=cfg.rounds
         )
         self.plan = plan[self.rank]
-        _, self.pieces = chunk_layout(
-            x.numel(), self.schedule, self.codec, cfg.sub_chunk, cfg.chunk_bounds
-        )
+        given = cfg.chunk_bounds if cfg.chunk_bounds is not None else self.recut
+        _, self.pieces = chunk_layout(x.numel(), self.schedule, self.codec, cfg.sub_chunk, given)
         # raw values (fp32), updated in place
         if cfg.inplace and x.dtype == torch.float32 and x.is_contiguous():
             self.work = x.detach()

@@ -47,7 +47,8 @@ __all__ = [
 ]
 
 #: Version of the engine's wire protocol (message order, headers); ranks must agree on it.
-WIRE_VERSION = 2  # 2: sealed length headers (dynamiq/collectives/integrity.py)
+WIRE_VERSION = 3  # 2: sealed length headers (dynamiq/collectives/integrity.py); 3: a prologue
+# may re-cut the chunks (planning.CHUNK_BOUNDS_KEY)
 
 #: Largest handshake message accepted (bytes): anything larger is a malformed peer.
 _MAX_BLOB = 1 << 24
@@ -124,6 +125,7 @@ def local_prologues(
     xs: list[torch.Tensor],
     chunks: list[tuple[int, int]] | None = None,
     timeout: float = 300.0,
+    recut_align: int | None = None,
 ) -> tuple[list[dict[str, Any] | None], list[PrologueComm]]:
     """Run ``codec``'s prologue on in-process ranks (threads over a
     :class:`~dynamiq.collectives.transport.LocalCluster`), rank ``r`` on ``xs[r]``, with the
@@ -134,6 +136,7 @@ def local_prologues(
     comms = [PrologueComm(cluster.transport(r), timeout) for r in range(n)]
     for comm in comms:
         comm.chunks = None if chunks is None else list(chunks)
+        comm.recut_align = recut_align
     shared = run_threads(
         n, lambda r: run_prologue(codec, xs[r], comms[r]), on_error=cluster.aborted.set
     )
@@ -156,6 +159,9 @@ class PrologueComm:
         self.bytes_received = 0
         #: the collective's chunks (``[start, end)`` each), for a prologue that pools per chunk
         self.chunks: list[tuple[int, int]] | None = None
+        #: set by the engine when the prologue may choose the chunk bounds (multiples of this
+        #: many values; ``planning.CHUNK_BOUNDS_KEY``); ``None``: keep ``chunks``
+        self.recut_align: int | None = None
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype everywhere), indexed by rank."""

@@ -21,6 +21,7 @@ from dynamiq.codecs.base import check_int
 from .schedules import Schedule, schedule_shape
 
 __all__ = [
+    "CHUNK_BOUNDS_KEY",
     "Plan",
     "RecvOp",
     "RoundOps",
@@ -301,6 +302,36 @@ def _pieces(start: int, end: int, sub: int) -> list[tuple[int, int]]:
 
 def _align(codecs: list[Codec]) -> int:
     return math.lcm(*(c.block_size for c in codecs))
+
+
+#: the key of ``HopContext.shared`` under which a codec's prologue returns the chunk bounds
+#: it chose, when the engine lets it (``PrologueComm.recut_align``: an all-reduce with no
+#: caller-given bounds); the engine then cuts the buffer by them (pooled DynamiQ: equal bytes)
+CHUNK_BOUNDS_KEY = "dynamiq.chunk_bounds"
+
+
+def layout_align(schedule: Schedule, codec: Codec) -> int:
+    """The values every chunk bound is a multiple of (but the buffer's end): the least
+    common multiple of the block sizes of every codec the schedule uses."""
+    return _align([codec] + [get_codec(c) for c in schedule.codecs()])
+
+
+def prologue_bounds(
+    shared: Any, numel: int, schedule: Schedule, codec: Codec
+) -> list[tuple[int, int]] | None:
+    """The chunk bounds a prologue chose (``shared[CHUNK_BOUNDS_KEY]``), checked: a
+    partition of ``[0, numel)`` into the schedule's chunks, in order, on multiples of
+    :func:`layout_align`; ``None`` when it chose none. Raises ``ValueError`` otherwise."""
+    got = shared.get(CHUNK_BOUNDS_KEY) if isinstance(shared, dict) else None
+    if got is None:
+        return None
+    bounds = check_bounds(got, numel, schedule.num_chunks)
+    align = layout_align(schedule, codec)
+    if any(
+        (a % align and a != numel) or (b % align and b != numel) for a, b in bounds
+    ) or bounds != sorted(bounds):
+        raise ValueError(f"prologue chunk bounds {bounds[:4]}... are not in order on {align}s")
+    return bounds
 
 
 def chunk_layout(

@@ -44,7 +44,7 @@ from .bounds import fp32_add_slack as _slack
 from .bounds import group_size as _group_size
 from .engine import EngineResult
 from .handshake import local_prologues
-from .planning import CtxKey, Plan, chunk_layout
+from .planning import CtxKey, Plan, chunk_layout, layout_align, prologue_bounds
 from .schedules import Schedule
 
 __all__ = ["SimRun", "batch_fields", "simulate_schedule"]
@@ -149,6 +149,7 @@ class _Sim:
         self.plan = Plan(schedule, codec, seed=seed, step=step)
         self.codecs = self.plan.codecs
         self.bounds, self.pieces = chunk_layout(self.numel, schedule, codec, sub_chunk)
+        self.align = layout_align(schedule, codec)  # what a prologue may re-cut the chunks on
         # the engine's phases; nothing agrees over a wire or waits for a peer here
         self.seconds: dict[str, float] = {"agree": 0.0, "wait": 0.0}
         n = self.n
@@ -433,13 +434,20 @@ class _Sim:
             self.reduced_prologue(codec, xs)
         else:
             # the engine's chunks, as its prologue gets them
-            shared, comms = local_prologues(codec, list(xs), list(self.bounds))
+            shared, comms = local_prologues(
+                codec, list(xs), list(self.bounds), recut_align=self.align
+            )
             self.shared = list(shared)
             for r, comm in enumerate(comms):
                 self.sent[r] += comm.bytes_sent
                 self.received[r] += comm.bytes_received
         for r in range(self.n):
             self.group[r] = next(q for q in range(r + 1) if _same(self.shared[q], self.shared[r]))
+        recut = prologue_bounds(self.shared[0], self.numel, self.schedule, codec)
+        if recut is not None:  # the engine cuts by the prologue's bounds: so does this
+            self.bounds, self.pieces = chunk_layout(
+                self.numel, self.schedule, codec, self.sub_chunk, recut
+            )
         self.tick("prologue", t)
 
     def reduced_prologue(self, codec: Any, xs: Sequence[torch.Tensor]) -> None:
@@ -454,7 +462,9 @@ class _Sim:
         stack = torch.stack([s.to(torch.int64) for s in stats])
         op = codec.prologue_op
         red = stack.amax(0) if op == "max" else stack.amin(0) if op == "min" else stack.sum(0)
-        shared = codec.prologue_result(red.to(stats[0].dtype), xs[0].numel(), self.n, chunks)
+        shared = codec.prologue_result(
+            red.to(stats[0].dtype), xs[0].numel(), self.n, chunks, self.align
+        )
         self.shared = [shared] * self.n
         n, length, size = self.n, stats[0].numel(), stats[0].element_size()
         if n == 1:

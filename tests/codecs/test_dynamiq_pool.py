@@ -5,6 +5,7 @@ invariance, and bad input raised on every rank."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -68,10 +69,11 @@ def test_budgets_fit_and_balance(chunks) -> None:
     lens = p.lens
     assert bool((budgets >= 0).all()) and bool((budgets <= lens).all())  # <= 8 bits a value
     assert int(budgets.sum()) <= math.floor(codec.bits * 9001) // 8
-    # every region within `balance` of its uniform share (+ the bytes of one span's rounding)
-    for (a, b), f, t in zip(p.regions, p.first[:-1], p.first[1:], strict=True):
-        uniform = math.floor(codec.bits * (b - a)) // 8
-        assert int(budgets[f:t].sum()) <= math.floor(uniform * codec.balance)
+    # every region within `balance` of the mean region's uniform share
+    shares = [math.floor(codec.bits * (b - a)) // 8 for a, b in p.regions]
+    cap = math.floor(sum(shares) / len(shares) * codec.balance)
+    for f, t in zip(p.first[:-1], p.first[1:], strict=True):
+        assert int(budgets[f:t].sum()) <= cap
     # the wire size: a function of the shared data and the context alone
     ctx = HopContext(shared=shared[1])
     assert codec.encoded_nbytes(9001, ctx) == codec.encode(xs[1], ctx).numel()
@@ -190,3 +192,88 @@ def test_encode_outside_a_collective_checks_the_range(backend: str) -> None:
         kernels.encode(codec, x, HopContext(), backend=backend)
     x[4321] = math.inf  # non-finite: the NaN policy, not an error
     kernels.encode(codec, x, HopContext(), backend=backend)
+
+
+# -- the prologue re-cuts an all-reduce's chunks to equal bytes ---------------------------------
+
+
+def brute_force_cut(cum: list[int], parts: int, most: int) -> int:
+    """The least largest-chunk bytes over every cut of ``len(cum) - 1`` units into ``parts``
+    chunks (empty ones allowed) of at most ``most`` units: exhaustive."""
+    units = len(cum) - 1
+    best = None
+    for inner in itertools.combinations_with_replacement(range(units + 1), parts - 1):
+        cuts = [0, *inner, units]
+        if any(b - a > most for a, b in itertools.pairwise(cuts)):
+            continue
+        worst = max(cum[b] - cum[a] for a, b in itertools.pairwise(cuts))
+        best = worst if best is None else min(best, worst)
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("units", "parts", "align"), [(11, 3, 256), (9, 4, 512), (13, 2, 256)])
+def test_recut_is_the_best_cut_within_the_value_slack(
+    seed: int, units: int, parts: int, align: int
+) -> None:
+    """Against exhaustive search: no cut of chunks within 1 + RECUT_SLACK of the mean values
+    (or the even cut's largest) has a smaller largest chunk in bytes."""
+    codec = DynamiqCodec()
+    numel = units * align - (seed * 37) % 200  # a short last unit
+    xs = [grads(numel, seed + 10 * r) for r in range(2)]
+    regions = pool.regions_of(codec, numel, None)
+    stats = torch.stack([pool.span_statistics(codec, x, r, regions) for r, x in enumerate(xs)])
+    reduced = stats.amax(0)
+    lens = pool._span_lengths(codec, regions)
+    got = pool.recut(codec, reduced[:-2].long().clamp(min=0), lens, numel, parts, align)
+    assert len(got) == parts and got[0][0] == 0 and got[-1][1] == numel
+    assert all(a % align == 0 and (b % align == 0 or b == numel) for a, b in got)
+    assert all(p[1] == q[0] for p, q in itertools.pairwise(got))
+    # the same budgets recut uses, summed per unit of `align` values
+    zero = torch.zeros(lens.numel(), dtype=torch.int64)
+    total = torch.tensor([math.floor(codec.bits * numel) // 8])
+    whole = pool._distribute(reduced[:-2].long().clamp(min=0), lens, zero, total)
+    per = align // codec.span
+    unit_bytes = [int(whole[i * per : (i + 1) * per].sum()) for i in range(units)]
+    cum = [0, *itertools.accumulate(unit_bytes)]
+    most = max(int((1 + pool.RECUT_SLACK) * numel / parts) // align, -(-numel // (parts * align)))
+    worst = max(cum[-(-b // align)] - cum[a // align] for a, b in got)
+    assert worst == brute_force_cut(cum, parts, most)
+    assert all(-(-(b - a) // align) <= most for a, b in got)
+
+
+def test_allreduce_rounds_are_balanced_in_bytes() -> None:
+    """The engine cuts by the prologue's bounds (gloo-free: the threaded engine and the
+    batched simulator alike): every round's largest message is within `balance` of the mean,
+    the chunks within 1.1 of the mean values, and the sum is the engine's, bit for bit."""
+    n_ranks, numel = 8, 256 * 400
+    xs = [grads(numel, s) for s in range(n_ranks)]
+    codec = DynamiqCodec()
+    runs = [
+        simulate_allreduce(xs, codec, "ring", seed=3, engine=e, sub_chunk=1 << 20)
+        for e in ("batched", "threads")
+    ]
+    for oa, ob in zip(runs[0].outputs, runs[1].outputs, strict=True):
+        assert torch.equal(oa.view(torch.int32), ob.view(torch.int32))
+    res = runs[0]
+    for k in range(len(res.stats[0].round_bytes)):
+        sent = [s.round_bytes[k] for s in res.stats]
+        assert max(sent) <= codec.balance * sum(sent) / len(sent) + 64, (k, sent)
+    # the prologue's cut against the even one: chunks within 1.1 of the mean values, and the
+    # largest chunk's bytes (under the same cap) no larger
+    from dynamiq.collectives.planning import CHUNK_BOUNDS_KEY, chunk_bounds
+
+    even = chunk_bounds(numel, n_ranks, 256)
+    kept = local_prologues(codec, xs, even, timeout=30.0)[0][0]
+    assert CHUNK_BOUNDS_KEY not in kept  # without recut_align the chunks stay
+    moved = local_prologues(codec, xs, even, timeout=30.0, recut_align=256)[0][0]
+    cut = moved[CHUNK_BOUNDS_KEY]
+    assert cut != even and max(b - a for a, b in cut) <= 1.1 * numel / n_ranks
+
+    def largest(shared: dict) -> int:
+        p = shared[pool.SHARED_KEY]
+        budgets = pool.span_budgets(p, codec.bits, 1e6)  # uncapped: the cut's own balance
+        return max(int(budgets[f:t].sum()) for f, t in itertools.pairwise(p.first))
+
+    assert largest(moved) < largest(kept)

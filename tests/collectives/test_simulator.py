@@ -13,7 +13,12 @@ from hypothesis import strategies as st
 from dynamiq.codecs import get_codec, list_codecs
 from dynamiq.collectives import get_schedule, simulate_allreduce
 from dynamiq.collectives.handshake import local_prologues
-from dynamiq.collectives.planning import chunk_layout, plan_schedule
+from dynamiq.collectives.planning import (
+    CHUNK_BOUNDS_KEY,
+    chunk_layout,
+    layout_align,
+    plan_schedule,
+)
 
 SCHEDULES = ["ring", "butterfly", "tree", "hierarchical"]
 
@@ -62,8 +67,12 @@ def _expected_bytes(
     extra, shared = [0] * n, None
     prologue = getattr(codec, "prologue", None)
     if callable(getattr(codec, "prologue_statistics", None)):
-        results, comms = local_prologues(codec, xs, chunks)
+        # an all-reduce lets the prologue re-cut the chunks (planning.CHUNK_BOUNDS_KEY)
+        align = layout_align(schedule, codec)
+        results, comms = local_prologues(codec, xs, chunks, recut_align=align)
         shared, extra = results[0], [c.bytes_sent for c in comms]
+        if shared is not None and CHUNK_BOUNDS_KEY in shared:
+            _, pieces = chunk_layout(numel, schedule, codec, sub_chunk, shared[CHUNK_BOUNDS_KEY])
     elif callable(prologue) and n > 1:
         comm = _CountingComm(n)
         prologue(xs[0], comm)
