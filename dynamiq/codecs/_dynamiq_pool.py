@@ -224,7 +224,8 @@ def shared_from_statistics(
     for a, b in regions:
         first.append(first[-1] + -(-(b - a) // codec.span))
     pool = Pool(
-        demand=stats[:n_spans].clamp(min=0).clone(),
+        # (a span never demands more than 8 bits a value: a peer's larger number is clamped)
+        demand=torch.minimum(stats[:n_spans].clamp(min=0), 8 * lens),
         lens=lens,
         numel=numel,
         regions=tuple(regions),

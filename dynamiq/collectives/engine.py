@@ -109,8 +109,8 @@ class EngineResult:
     """What one rank's run produced and measured.
 
     ``bytes_sent`` counts payloads, their length headers, their checksums (``verify``) and
-    the prologue's exchange; ``control_bytes_sent`` the configuration check and the status
-    exchange;
+    the prologue's exchange; ``control_bytes_sent`` the configuration check, the status
+    exchange(s) and the checks sealing the prologue's messages;
     ``round_bytes[k]`` the payload and header bytes this rank sent in round ``k`` of the run
     (0 when it sent nothing), so ``sum(round_bytes)`` is ``bytes_sent`` less the prologue.
     """
@@ -357,18 +357,41 @@ class ScheduleRun:
         self.result.control_bytes_sent += agree(self.transport, desc, cfg.timeout, self.x.device)
 
     def run_codec_prologue(self) -> bool:
-        """Run the codec's prologue, if it has one; its result reaches every encoding."""
+        """Run the codec's prologue, if it has one; its result reaches every encoding.
+
+        Its messages are always sealed (:class:`PrologueComm`). With the status exchange
+        (``verify``), a message that fails its check is recorded, and when the prologue sent
+        anything the ranks exchange their status right after it: a failure raises the same
+        :class:`IntegrityError` on every rank, before any payload (whose sizes may depend on
+        the prologue's result); without, the receiver raises at once."""
         if not callable(getattr(self.codec, "prologue", None)):
             return False
-        comm = PrologueComm(self.transport, self.config.timeout)
         cfg = self.config
+        status = self.status if self.exchange_status else None
+        comm = PrologueComm(self.transport, cfg.timeout, status)
         comm.chunks, _ = chunk_layout(
             self.x.numel(), self.schedule, self.codec, cfg.sub_chunk, cfg.chunk_bounds
         )
-        self.shared = run_prologue(self.codec, self.x, comm)
+        try:
+            self.shared = run_prologue(self.codec, self.x, comm)
+        except Exception:
+            if not self.status.failed:  # (a stand-in may upset the codec: the status says why)
+                raise
         self.result.bytes_sent += comm.bytes_sent
         self.result.bytes_received += comm.bytes_received
+        self.result.control_bytes_sent += comm.check_bytes_sent
+        if status is not None and comm.steps:
+            self._exchange_status()
         return True
+
+    def _exchange_status(self) -> None:
+        """Merge every rank's status (collective) and raise its first failure, if any."""
+        t = time.perf_counter()
+        self.status.exchange(self.transport, self.config.timeout, self.x.device)
+        self.timer.add("status", t)
+        self.result.control_bytes_sent += self.status.bytes_sent
+        self.result.status = self.status
+        self.status.raise_for_error(f"{self.schedule.name} collective {self.transport.seq}")
 
     def prepare(self) -> None:
         """Plan, cut the buffer, and set up the working buffer and chunk states."""
@@ -453,11 +476,7 @@ class ScheduleRun:
         self.timer.add("decode", t)
         res = self.result
         if self.exchange_status:
-            t = time.perf_counter()
-            self.status.exchange(self.transport, self.config.timeout, self.x.device)
-            self.timer.add("status", t)
-            res.control_bytes_sent += self.status.bytes_sent
-            res.status = self.status
+            self._exchange_status()
         # (without the exchange, ``status=False``, what this rank found is raised here only)
         self.status.raise_for_error(f"{self.schedule.name} collective {self.transport.seq}")
         res.output = self.work

@@ -23,6 +23,8 @@ _EXPECTED = {
     "header": {"named error everywhere", "n/a"},  # n/a: a fixed-size codec has no header
     "bound": {"same error everywhere"},
     "config": {"same error everywhere"},
+    # the status exchange right after the prologue; n/a: a codec whose prologue sends nothing
+    "prologue": {"same error everywhere", "n/a"},
 }
 
 
@@ -37,6 +39,8 @@ def _check(outs: list[Outcome]) -> None:
             assert o.verdict != "other error", (o, report)
         if o.cell.fault == "payload" and o.cell.verify:
             assert "failed its checksum" in o.ranks[0] and "from rank 1" in o.ranks[0]
+        if o.cell.fault == "prologue" and o.verdict != "n/a":  # sealed: caught, verify or not
+            assert any("prologue from" in t for t in o.ranks), o
 
 
 def test_fault_matrix_fast_subset() -> None:
@@ -54,6 +58,11 @@ def test_fault_matrix_fast_subset() -> None:
         codecs=("mxfp8_e4m3",),
         faults=("clean", "payload", "reorder", "bound"),
         verify=(True, False),
+    )
+    # DynamiQ's prologue (a ring all-reduce of demands): a flipped bit in its all-gather half
+    # (verify off: tests/collectives/test_integrity.py in process, the whole matrix on gloo)
+    outs += run_matrix(
+        worlds=(2,), schedules=("ring",), codecs=("dynamiq",), faults=("prologue",), verify=(True,)
     )
     _check(outs)
     # verify off: a flipped payload bit is a silent wrong result (what verify is for)
