@@ -521,11 +521,7 @@ class ScheduleRun:
             self._wait(self.transport.irecv(hdr, src), k)
             opened = open_length(self._ident(k, inc.op.chunk, inc.j, src, self.rank), int(hdr[0]))
             if opened is None:
-                # the size of the payload to receive is unknown: this rank cannot go on
-                raise IntegrityError(
-                    f"rank {self.rank}: the length header from peer {src} (chunk "
-                    f"{inc.op.chunk}, sub-chunk {inc.j}) failed its check{self._where(k)}"
-                )
+                return self._drain(k, inc, src)
             size = opened
             valid = getattr(inc.op.codec, "valid_nbytes", None)  # optional codec check
             if not 0 <= size <= _LENGTH_PER_VALUE * (inc.b - inc.a) + _LENGTH_SLACK or (
@@ -549,10 +545,34 @@ class ScheduleRun:
                 self._replace_corrupt(k, inc, src)
         return inc.buf
 
-    def _replace_corrupt(self, k: int, inc: _Incoming, src: int) -> None:
+    def _drain(self, k: int, inc: _Incoming, src: int) -> torch.Tensor:
+        """A length header failed its seal: the payload's size is unknown. With the status
+        exchange, on a transport that takes a message shorter than its buffer (gloo), record
+        it, receive the payload into a buffer of the largest valid size (and its bound), and
+        go on with a stand-in: every rank raises at the end. Else raise here at once."""
+        bad = IntegrityError(
+            f"rank {self.rank}: the length header from peer {src} (chunk {inc.op.chunk}, "
+            f"sub-chunk {inc.j}) failed its check{self._where(k)}"
+        )
+        if not (self.exchange_status and getattr(self.transport, "can_drain", False)):
+            raise bad  # the size of the payload to receive is unknown: this rank cannot go on
+        self.status.record("header", round_=k, peer=src, chunk=inc.op.chunk, sub=inc.j)
+        cap = _LENGTH_PER_VALUE * (inc.b - inc.a) + _LENGTH_SLACK + CHECKSUM_BYTES
+        sink = torch.empty(cap, dtype=torch.uint8, device=self.x.device)
+        self._wait(self.transport.irecv_upto(sink, src), k)
+        if self.bounds is not None:
+            inc.bound_buf = self.bounds.receive_buffer(inc.op.codec, inc.b - inc.a)
+            self._wait(self.transport.irecv(inc.bound_buf, src), k)
+        self.result.bytes_received += 8
+        self._replace_corrupt(k, inc, src, record=False)
+        assert inc.buf is not None
+        return inc.buf
+
+    def _replace_corrupt(self, k: int, inc: _Incoming, src: int, record: bool = True) -> None:
         """A payload failed its checksum: record it (every rank raises at the end) and go on
         with a valid stand-in (zeros, encoded; a zero bound), so the schedule completes."""
-        self.status.record("checksum", round_=k, peer=src, chunk=inc.op.chunk, sub=inc.j)
+        if record:
+            self.status.record("checksum", round_=k, peer=src, chunk=inc.op.chunk, sub=inc.j)
         zeros = torch.zeros(inc.b - inc.a, dtype=torch.float32, device=self.x.device)
         inc.buf = inc.op.codec.encode(zeros, self._ctx(inc.op.ctx, inc.a))
         if inc.bound_buf is not None:

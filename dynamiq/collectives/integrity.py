@@ -209,6 +209,13 @@ KINDS: dict[str, Kind] = {
             "a message of the codec's prologue from rank {peer} failed its checksum (step "
             "{detail})",
         ),
+        Kind(
+            "header",
+            7,
+            True,
+            IntegrityError,
+            "the length header of a message from rank {peer} failed its check",
+        ),
     ]
 }
 _BY_BIT = {k.bit: k for k in KINDS.values()}

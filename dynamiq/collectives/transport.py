@@ -125,6 +125,8 @@ class Channel:
         self.rank: int = base.rank
         self.world_size: int = base.world_size
         self.tag = 0 if sequencer.serial else 1 + seq % _TAG_SPACE
+        #: whether :meth:`irecv_upto` can take a message shorter than its buffer
+        self.can_drain = bool(getattr(base, "can_drain", False))
 
     def start(self) -> None:
         self.sequencer.start(self.seq)
@@ -141,6 +143,13 @@ class Channel:
         if self.tag:
             return self.base.irecv(tensor, src, tag=self.tag)
         return self.base.irecv(tensor, src)
+
+    def irecv_upto(self, tensor: torch.Tensor, src: int) -> Work:
+        """Receive a message of *at most* ``tensor``'s size (only where ``can_drain``): the
+        engine drains a payload whose length it cannot trust this way."""
+        if self.tag:
+            return self.base.irecv_upto(tensor, src, tag=self.tag)
+        return self.base.irecv_upto(tensor, src)
 
     def close(self) -> None:
         """Ends this collective (as :meth:`end`); the transport stays open."""
@@ -175,9 +184,18 @@ class _Done:
 
 
 class _LocalRecv:
-    def __init__(self, cluster: LocalCluster, out: torch.Tensor, src: int, dst: int, tag: int):
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        out: torch.Tensor,
+        src: int,
+        dst: int,
+        tag: int,
+        upto: bool = False,
+    ):
         self.cluster, self.out, self.src, self.dst = cluster, out, src, dst
         self.q = cluster.box(src, dst, tag)
+        self.upto = upto  # a message shorter than ``out`` is taken (into its start)
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -194,12 +212,13 @@ class _LocalRecv:
                     raise PeerTimeoutError(
                         f"rank {self.dst}: no data from peer {self.src} within {timeout:g} s"
                     ) from None
-        if msg.numel() != self.out.numel() or msg.dtype != self.out.dtype:
+        size_ok = msg.numel() <= self.out.numel() if self.upto else msg.numel() == self.out.numel()
+        if not size_ok or msg.dtype != self.out.dtype:
             raise ValueError(
                 f"rank {self.dst}: message from peer {self.src} has {msg.numel()} "
                 f"{msg.dtype} values, expected {self.out.numel()} {self.out.dtype}"
             )
-        self.out.copy_(msg.to(self.out.device))
+        self.out[: msg.numel()].copy_(msg.to(self.out.device))
 
 
 class LocalCluster:
@@ -233,6 +252,7 @@ class LocalTransport:
         self.world_size = cluster.world_size
         self.sequencer = cluster.sequencers[rank]
         self.closed = False
+        self.can_drain = True  # :meth:`irecv_upto`
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         _check_open(self.closed, self.rank, "isend")
@@ -242,6 +262,11 @@ class LocalTransport:
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         _check_open(self.closed, self.rank, "irecv")
         return _LocalRecv(self.cluster, tensor, src, self.rank, tag)
+
+    def irecv_upto(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        """Receive a message of at most ``tensor``'s size (as gloo does)."""
+        _check_open(self.closed, self.rank, "irecv")
+        return _LocalRecv(self.cluster, tensor, src, self.rank, tag, upto=True)
 
     def close(self) -> None:
         """Later transfers raise; messages already sent stay in the peers' mailboxes."""
@@ -310,6 +335,8 @@ class TorchDistTransport:
         self.group = group
         self.sequencer = _group_sequencer(dist, group)
         self.closed = False
+        #: gloo takes a message shorter than the receive's buffer (:meth:`irecv_upto`)
+        self.can_drain = dist.get_backend(group) == "gloo"
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._global: Sequence[int] = (
@@ -335,6 +362,12 @@ class TorchDistTransport:
                 f"rank {self.rank}: cannot receive from peer {src}: {exc}"
             ) from exc
         return _DistWork(work, src, self.rank, "receive from")
+
+    def irecv_upto(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        """Receive a message of at most ``tensor``'s size (gloo only: ``can_drain``)."""
+        if not self.can_drain:
+            raise TransportError(f"rank {self.rank}: this backend cannot drain a message")
+        return self.irecv(tensor, src, tag=tag)
 
     def close(self) -> None:
         """Later transfers raise."""
