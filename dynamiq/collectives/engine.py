@@ -59,6 +59,7 @@ from .bounds import (
     pack_bound,
     unpack_bound,
 )
+from .failures import Failure, first_failure, post_failure
 from .handshake import (
     WIRE_VERSION,
     ConfigMismatchError,
@@ -314,6 +315,7 @@ class ScheduleRun:
         self.posted: dict[int, list[_Incoming]] = {}
         self.early: _Sends | None = None  # a round's sends, started during the previous one
         self._round = 0  # the round running (for errors)
+        self._phase = 0  # an index into failures.PHASES (for errors)
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -324,8 +326,10 @@ class ScheduleRun:
             t0 = time.perf_counter()
             self.agree_on_config()
             t0 = self.timer.add("agree", t0)
+            self._phase = 1
             if self.run_codec_prologue():
                 self.timer.add("prologue", t0)
+            self._phase = 2
             self.prepare()
             for k in range(len(self.plan)):
                 self._round = k
@@ -333,10 +337,43 @@ class ScheduleRun:
             return self.finish()
         except TransportError as exc:  # a transfer could not start: say where
             if " (round " in str(exc):
+                raise self._blame(exc) from exc.__cause__
+            where = TransportError(str(exc) + self._where(self._round), exc.peer)
+            raise self._blame(where) from exc
+        except Exception as exc:
+            better = self._blame(exc)
+            if better is exc:
                 raise
-            raise TransportError(str(exc) + self._where(self._round)) from exc
+            raise better from exc
         finally:
             self.transport.end()
+
+    def _blame(self, exc: Exception) -> Exception:
+        """Post this rank's failure on the transport's board (dynamiq/collectives/failures.py)
+        and, for a failed wait or transfer, add the earliest failure of any rank to its text
+        (the rank that failed first, where the board knows it). Errors every rank raises
+        alike (the status exchange's, a configuration mismatch) are left as they are."""
+        board = getattr(self.transport, "board", None)
+        if (
+            board is None
+            or getattr(exc, "everywhere", False)
+            or isinstance(exc, ConfigMismatchError)
+        ):
+            return exc
+        peer = getattr(exc, "peer", None)
+        suspect = self.rank if not isinstance(exc, (PeerTimeoutError, TransportError)) else peer
+        text = f"{type(exc).__name__}: {str(exc).split(' (')[0]}"[:200]
+        seq, n = self.transport.seq, self.transport.world_size
+        if suspect is not None:
+            post_failure(
+                board, seq, Failure(self.rank, suspect, self._phase, self._round, time.time(), text)
+            )
+        if suspect == self.rank:
+            return exc
+        first = first_failure(board, seq, n)
+        if first is None or first.rank == self.rank:
+            return exc  # this rank's own failure is the earliest: its text says it all
+        return type(exc)(f"{exc}; {first.describe()}", peer)
 
     def agree_on_config(self) -> None:
         """Check that every rank runs the same configuration (raises on every rank if not)."""
@@ -386,6 +423,7 @@ class ScheduleRun:
 
     def _exchange_status(self) -> None:
         """Merge every rank's status (collective) and raise its first failure, if any."""
+        self._phase = 3 if self._phase == 2 else self._phase
         t = time.perf_counter()
         self.status.exchange(self.transport, self.config.timeout, self.x.device)
         self.timer.add("status", t)
@@ -478,7 +516,8 @@ class ScheduleRun:
         if self.exchange_status:
             self._exchange_status()
         # (without the exchange, ``status=False``, what this rank found is raised here only)
-        self.status.raise_for_error(f"{self.schedule.name} collective {self.transport.seq}")
+        name = f"{self.schedule.name} collective {self.transport.seq}"
+        self.status.raise_for_error(name, everywhere=False)
         res.output = self.work
         res.bound = self.bounds.beta if self.bounds is not None else None
         res.seconds = self.timer.seconds
@@ -763,7 +802,7 @@ class ScheduleRun:
         try:
             w.wait(self.config.timeout)
         except (PeerTimeoutError, TransportError) as exc:
-            raise type(exc)(str(exc) + self._where(k)) from exc
+            raise type(exc)(str(exc) + self._where(k), exc.peer) from exc
 
 
 def run_schedule(

@@ -300,11 +300,17 @@ class Status:
         text = k.what.format(peer=peer, detail=self.details(detail))
         return f"rank {rank}: {text}" + (f" ({', '.join(where)})" if where else "")
 
-    def raise_for_error(self, collective: str = "") -> None:
-        """Raise the first fatal failure's error (its kind's class), if there is one."""
+    def raise_for_error(self, collective: str = "", everywhere: bool = True) -> None:
+        """Raise the first fatal failure's error (its kind's class), if there is one
+        (``everywhere``: after :meth:`exchange`, every rank raises it; the error's
+        ``everywhere`` attribute says so)."""
         if not self.failed:
             return
         k = _BY_BIT.get(self.first[2])
         error = k.error if k is not None else CollectiveStatusError
         prefix = f"{collective}: " if collective else ""
-        raise error(f"{prefix}{self.describe()}; detected there, raised on every rank")
+        if not everywhere:
+            raise error(f"{prefix}{self.describe()}")
+        err = error(f"{prefix}{self.describe()}; detected there, raised on every rank")
+        err.everywhere = True  # type: ignore[attr-defined]  # (no rank to blame: all know)
+        raise err

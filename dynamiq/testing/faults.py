@@ -104,6 +104,10 @@ class FaultyTransport:
         return _Recv(self, self.base.irecv(t, src, tag=tag))
 
     @property
+    def board(self) -> Any:
+        return getattr(self.base, "board", None)
+
+    @property
     def can_drain(self) -> bool:
         return bool(getattr(self.base, "can_drain", False))
 

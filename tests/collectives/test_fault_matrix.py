@@ -40,6 +40,10 @@ def _check(outs: list[Outcome]) -> None:
             assert o.verdict != "other error", (o, report)
         if o.cell.fault == "payload" and o.cell.verify:
             assert "failed its checksum" in o.ranks[0] and "from rank 1" in o.ranks[0]
+        if o.cell.fault in ("kill", "stall", "drop"):  # every survivor names the victim
+            for i, t in enumerate(o.ranks):  # (its own wait on it, or the first failure's)
+                ok = i == 1 or "peer 1 " in t.split(" (")[0] or "rank 1 failed first" in t
+                assert ok, (o, i, t)
         if o.cell.fault == "prologue" and o.verdict != "n/a":  # sealed: caught, verify or not
             assert any("prologue from" in t for t in o.ranks), o
 
@@ -57,7 +61,7 @@ def test_fault_matrix_fast_subset() -> None:
         worlds=(3,),
         schedules=("butterfly",),
         codecs=("mxfp8_e4m3",),
-        faults=("clean", "payload", "reorder", "bound"),
+        faults=("clean", "payload", "reorder", "bound", "drop"),
         verify=(True, False),
     )
     # DynamiQ's prologue (a ring all-reduce of demands): a flipped bit in its all-gather half
