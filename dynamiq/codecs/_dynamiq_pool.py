@@ -230,7 +230,8 @@ def shared_from_statistics(
             f"dynamiq: a value of |x| >= 2^{top} on some rank: partial sums of {c} ranks could "
             f"exceed max_input_abs={codec.max_input_abs!r}; keep |x| below {limit:.3g}"
         )
-    demand = stats[:n_spans].clamp(min=0).clone()
+    # (a span never demands more than 8 bits a value: a peer's larger number is clamped)
+    demand = torch.minimum(stats[:n_spans].clamp(min=0), 8 * lens)
     out: dict[str, Any] = {}
     parts = len(regions) if parts is None else parts
     if recut_align is not None and parts > 1 and numel > 0:

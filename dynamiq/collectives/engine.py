@@ -59,6 +59,7 @@ from .bounds import (
     pack_bound,
     unpack_bound,
 )
+from .failures import Failure, first_failure, post_failure
 from .handshake import (
     WIRE_VERSION,
     ConfigMismatchError,
@@ -118,8 +119,8 @@ class EngineResult:
     """What one rank's run produced and measured.
 
     ``bytes_sent`` counts payloads, their length headers, their checksums (``verify``) and
-    the prologue's exchange; ``control_bytes_sent`` the configuration check and the status
-    exchange;
+    the prologue's exchange; ``control_bytes_sent`` the configuration check, the status
+    exchange(s) and the checks sealing the prologue's messages;
     ``round_bytes[k]`` the payload and header bytes this rank sent in round ``k`` of the run
     (0 when it sent nothing), so ``sum(round_bytes)`` is ``bytes_sent`` less the prologue.
     """
@@ -324,6 +325,7 @@ class ScheduleRun:
         self.posted: dict[int, list[_Incoming]] = {}
         self.early: _Sends | None = None  # a round's sends, started during the previous one
         self._round = 0  # the round running (for errors)
+        self._phase = 0  # an index into failures.PHASES (for errors)
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -334,8 +336,10 @@ class ScheduleRun:
             t0 = time.perf_counter()
             self.agree_on_config()
             t0 = self.timer.add("agree", t0)
+            self._phase = 1
             if self.run_codec_prologue():
                 self.timer.add("prologue", t0)
+            self._phase = 2
             self.prepare()
             for k in range(len(self.plan)):
                 self._round = k
@@ -343,10 +347,43 @@ class ScheduleRun:
             return self.finish()
         except TransportError as exc:  # a transfer could not start: say where
             if " (round " in str(exc):
+                raise self._blame(exc) from exc.__cause__
+            where = TransportError(str(exc) + self._where(self._round), exc.peer)
+            raise self._blame(where) from exc
+        except Exception as exc:
+            better = self._blame(exc)
+            if better is exc:
                 raise
-            raise TransportError(str(exc) + self._where(self._round)) from exc
+            raise better from exc
         finally:
             self.transport.end()
+
+    def _blame(self, exc: Exception) -> Exception:
+        """Post this rank's failure on the transport's board (dynamiq/collectives/failures.py)
+        and, for a failed wait or transfer, add the earliest failure of any rank to its text
+        (the rank that failed first, where the board knows it). Errors every rank raises
+        alike (the status exchange's, a configuration mismatch) are left as they are."""
+        board = getattr(self.transport, "board", None)
+        if (
+            board is None
+            or getattr(exc, "everywhere", False)
+            or isinstance(exc, ConfigMismatchError)
+        ):
+            return exc
+        peer = getattr(exc, "peer", None)
+        suspect = self.rank if not isinstance(exc, (PeerTimeoutError, TransportError)) else peer
+        text = f"{type(exc).__name__}: {str(exc).split(' (')[0]}"[:200]
+        seq, n = self.transport.seq, self.transport.world_size
+        if suspect is not None:
+            post_failure(
+                board, seq, Failure(self.rank, suspect, self._phase, self._round, time.time(), text)
+            )
+        if suspect == self.rank:
+            return exc
+        first = first_failure(board, seq, n)
+        if first is None or first.rank == self.rank:
+            return exc  # this rank's own failure is the earliest: its text says it all
+        return type(exc)(f"{exc}; {first.describe()}", peer)
 
     def agree_on_config(self) -> None:
         """Check that every rank runs the same configuration (raises on every rank if not)."""
@@ -367,22 +404,46 @@ class ScheduleRun:
         self.result.control_bytes_sent += agree(self.transport, desc, cfg.timeout, self.x.device)
 
     def run_codec_prologue(self) -> bool:
-        """Run the codec's prologue, if it has one; its result reaches every encoding."""
+        """Run the codec's prologue, if it has one; its result reaches every encoding.
+
+        Its messages are always sealed (:class:`PrologueComm`). With the status exchange
+        (``verify``), a message that fails its check is recorded, and when the prologue sent
+        anything the ranks exchange their status right after it: a failure raises the same
+        :class:`IntegrityError` on every rank, before any payload (whose sizes may depend on
+        the prologue's result); without, the receiver raises at once."""
         if not callable(getattr(self.codec, "prologue", None)):
             return False
-        comm = PrologueComm(self.transport, self.config.timeout)
         cfg = self.config
+        status = self.status if self.exchange_status else None
+        comm = PrologueComm(self.transport, cfg.timeout, status)
         comm.chunks, _ = chunk_layout(
             self.x.numel(), self.schedule, self.codec, cfg.sub_chunk, cfg.chunk_bounds
         )
         if cfg.chunk_bounds is None and cfg.outputs is None and cfg.rounds is None:
             comm.recut_align = layout_align(self.schedule, self.codec)  # a whole all-reduce
-        self.shared = run_prologue(self.codec, self.x, comm)
-        if comm.recut_align is not None:
-            self.recut = prologue_bounds(self.shared, self.x.numel(), self.schedule, self.codec)
+        try:
+            self.shared = run_prologue(self.codec, self.x, comm)
+        except Exception:
+            if not self.status.failed:  # (a stand-in may upset the codec: the status says why)
+                raise
         self.result.bytes_sent += comm.bytes_sent
         self.result.bytes_received += comm.bytes_received
+        self.result.control_bytes_sent += comm.check_bytes_sent
+        if status is not None and comm.steps:
+            self._exchange_status()
+        if comm.recut_align is not None:  # after the status: never from a failed prologue
+            self.recut = prologue_bounds(self.shared, self.x.numel(), self.schedule, self.codec)
         return True
+
+    def _exchange_status(self) -> None:
+        """Merge every rank's status (collective) and raise its first failure, if any."""
+        self._phase = 3 if self._phase == 2 else self._phase
+        t = time.perf_counter()
+        self.status.exchange(self.transport, self.config.timeout, self.x.device)
+        self.timer.add("status", t)
+        self.result.control_bytes_sent += self.status.bytes_sent
+        self.result.status = self.status
+        self.status.raise_for_error(f"{self.schedule.name} collective {self.transport.seq}")
 
     def prepare(self) -> None:
         """Plan, cut the buffer, and set up the working buffer and chunk states."""
@@ -466,13 +527,10 @@ class ScheduleRun:
         self.timer.add("decode", t)
         res = self.result
         if self.exchange_status:
-            t = time.perf_counter()
-            self.status.exchange(self.transport, self.config.timeout, self.x.device)
-            self.timer.add("status", t)
-            res.control_bytes_sent += self.status.bytes_sent
-            res.status = self.status
+            self._exchange_status()
         # (without the exchange, ``status=False``, what this rank found is raised here only)
-        self.status.raise_for_error(f"{self.schedule.name} collective {self.transport.seq}")
+        name = f"{self.schedule.name} collective {self.transport.seq}"
+        self.status.raise_for_error(name, everywhere=False)
         res.output = self.work
         res.bound = self.bounds.beta if self.bounds is not None else None
         res.seconds = self.timer.seconds
@@ -515,11 +573,7 @@ class ScheduleRun:
             self._wait(self.transport.irecv(hdr, src), k)
             opened = open_length(self._ident(k, inc.op.chunk, inc.j, src, self.rank), int(hdr[0]))
             if opened is None:
-                # the size of the payload to receive is unknown: this rank cannot go on
-                raise IntegrityError(
-                    f"rank {self.rank}: the length header from peer {src} (chunk "
-                    f"{inc.op.chunk}, sub-chunk {inc.j}) failed its check{self._where(k)}"
-                )
+                return self._drain(k, inc, src)
             size = opened
             valid = getattr(inc.op.codec, "valid_nbytes", None)  # optional codec check
             if not 0 <= size <= _LENGTH_PER_VALUE * (inc.b - inc.a) + _LENGTH_SLACK or (
@@ -543,10 +597,34 @@ class ScheduleRun:
                 self._replace_corrupt(k, inc, src)
         return inc.buf
 
-    def _replace_corrupt(self, k: int, inc: _Incoming, src: int) -> None:
+    def _drain(self, k: int, inc: _Incoming, src: int) -> torch.Tensor:
+        """A length header failed its seal: the payload's size is unknown. With the status
+        exchange, on a transport that takes a message shorter than its buffer (gloo), record
+        it, receive the payload into a buffer of the largest valid size (and its bound), and
+        go on with a stand-in: every rank raises at the end. Else raise here at once."""
+        bad = IntegrityError(
+            f"rank {self.rank}: the length header from peer {src} (chunk {inc.op.chunk}, "
+            f"sub-chunk {inc.j}) failed its check{self._where(k)}"
+        )
+        if not (self.exchange_status and getattr(self.transport, "can_drain", False)):
+            raise bad  # the size of the payload to receive is unknown: this rank cannot go on
+        self.status.record("header", round_=k, peer=src, chunk=inc.op.chunk, sub=inc.j)
+        cap = _LENGTH_PER_VALUE * (inc.b - inc.a) + _LENGTH_SLACK + CHECKSUM_BYTES
+        sink = torch.empty(cap, dtype=torch.uint8, device=self.x.device)
+        self._wait(self.transport.irecv_upto(sink, src), k)
+        if self.bounds is not None:
+            inc.bound_buf = self.bounds.receive_buffer(inc.op.codec, inc.b - inc.a)
+            self._wait(self.transport.irecv(inc.bound_buf, src), k)
+        self.result.bytes_received += 8
+        self._replace_corrupt(k, inc, src, record=False)
+        assert inc.buf is not None
+        return inc.buf
+
+    def _replace_corrupt(self, k: int, inc: _Incoming, src: int, record: bool = True) -> None:
         """A payload failed its checksum: record it (every rank raises at the end) and go on
         with a valid stand-in (zeros, encoded; a zero bound), so the schedule completes."""
-        self.status.record("checksum", round_=k, peer=src, chunk=inc.op.chunk, sub=inc.j)
+        if record:
+            self.status.record("checksum", round_=k, peer=src, chunk=inc.op.chunk, sub=inc.j)
         zeros = torch.zeros(inc.b - inc.a, dtype=torch.float32, device=self.x.device)
         inc.buf = inc.op.codec.encode(zeros, self._ctx(inc.op.ctx, inc.a))
         if inc.bound_buf is not None:
@@ -737,7 +815,7 @@ class ScheduleRun:
         try:
             w.wait(self.config.timeout)
         except (PeerTimeoutError, TransportError) as exc:
-            raise type(exc)(str(exc) + self._where(k)) from exc
+            raise type(exc)(str(exc) + self._where(k), exc.peer) from exc
 
 
 def run_schedule(

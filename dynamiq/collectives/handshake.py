@@ -19,7 +19,13 @@ threshold). ``x`` is the rank's whole buffer (its element ``i`` at global index 
 ``comm`` is a :class:`Communicator`; the returned dict reaches every encoding and decoding as
 ``HopContext.shared``. :func:`run_prologue` runs it with any communicator, so a custom
 collective can run THC or OmniReduce exactly as the engine does; :class:`PrologueComm` is the
-engine's communicator over a :class:`~dynamiq.collectives.transport.Transport`.
+engine's communicator over a :class:`~dynamiq.collectives.transport.Transport`. Its messages
+are always sealed (:func:`~dynamiq.collectives.integrity.seal_message`: a CRC-32 over the
+bytes and the message's identity, in the tensor's own dtype), since what the prologue decides
+(DynamiQ's budgets, so the payloads' sizes) must be the same on every rank: a message that
+fails its check raises :class:`~dynamiq.collectives.integrity.IntegrityError` on its receiver
+at once, or, given a ``status`` (the engine's, with ``verify``), is recorded there for the
+engine's status exchange right after the prologue.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 
 from dynamiq.codecs import Codec
 
+from .integrity import IntegrityError, Status, identity, message_extra, open_message, seal_message
 from .transport import LocalCluster, Transport, Work, run_threads
 
 __all__ = [
@@ -47,8 +54,10 @@ __all__ = [
 ]
 
 #: Version of the engine's wire protocol (message order, headers); ranks must agree on it.
-WIRE_VERSION = 3  # 2: sealed length headers (dynamiq/collectives/integrity.py); 3: a prologue
-# may re-cut the chunks (planning.CHUNK_BOUNDS_KEY)
+#: 2: sealed length headers; 3: sealed prologue messages, seals by zlib's CRC-32 everywhere
+#: (dynamiq/collectives/integrity.py); 4: a prologue may re-cut the chunks
+#: (planning.CHUNK_BOUNDS_KEY)
+WIRE_VERSION = 4
 
 #: Largest handshake message accepted (bytes): anything larger is a malformed peer.
 _MAX_BLOB = 1 << 24
@@ -146,35 +155,73 @@ def local_prologues(
 class PrologueComm:
     """A :class:`Communicator` over a :class:`~dynamiq.collectives.transport.Transport`:
     the all-gather is a send to and a receive from every other rank, the exact all-reduce a
-    ring; their bytes are counted in ``bytes_sent`` and ``bytes_received``. Every wait on a
-    peer is bounded by ``timeout``. ``chunks``: the engine's chunk bounds, set before the
-    prologue runs (``None`` outside the engine)."""
+    ring; their bytes are counted in ``bytes_sent`` and ``bytes_received`` (the checks that
+    seal every message in ``check_bytes_sent``). Every wait on a peer is bounded by
+    ``timeout``. ``chunks``: the engine's chunk bounds, set before the prologue runs
+    (``None`` outside the engine). ``status``: where a message that fails its check is
+    recorded (the receiver goes on with its own tensor in its place); without one, it
+    raises :class:`~dynamiq.collectives.integrity.IntegrityError` at once. ``steps``: the
+    exchanges so far (each message's identity holds its step)."""
 
-    def __init__(self, transport: Transport, timeout: float):
+    def __init__(self, transport: Transport, timeout: float, status: Status | None = None):
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.timeout = timeout
+        self.status = status
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.check_bytes_sent = 0
+        self.steps = 0
         #: the collective's chunks (``[start, end)`` each), for a prologue that pools per chunk
         self.chunks: list[tuple[int, int]] | None = None
         #: set by the engine when the prologue may choose the chunk bounds (multiples of this
         #: many values; ``planning.CHUNK_BOUNDS_KEY``); ``None``: keep ``chunks``
         self.recut_align: int | None = None
 
+    def _ident(self, src: int, dst: int) -> bytes:
+        # round -1: no payload round has it; the step tells the prologue's messages apart
+        return identity(getattr(self.transport, "seq", 0), -1, -1, self.steps, src, dst)
+
+    def _swap(
+        self, out: dict[int, torch.Tensor], into: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """One step: send ``out[dst]`` to each ``dst``, receive a tensor shaped like
+        ``into[src]`` from each ``src`` (sealed, checked); returns them (1-D) by sender."""
+        wires = {
+            src: torch.empty(t.numel() + message_extra(t), dtype=t.dtype, device=t.device)
+            for src, t in into.items()
+        }
+        works = [self.transport.irecv(w, src) for src, w in wires.items()]
+        for dst, t in out.items():
+            sealed = seal_message(self._ident(self.rank, dst), t)
+            works.append(self.transport.isend(sealed, dst))
+            self.bytes_sent += t.numel() * t.element_size()
+            self.check_bytes_sent += (sealed.numel() - t.numel()) * t.element_size()
+        for w in works:
+            w.wait(self.timeout)
+        got = {}
+        for src, wire in wires.items():
+            body = open_message(self._ident(src, self.rank), wire)
+            if body is None:
+                if self.status is None:
+                    raise IntegrityError(
+                        f"rank {self.rank}: a message of the codec's prologue from peer {src} "
+                        f"failed its checksum (step {self.steps}): corrupted or misrouted"
+                    )
+                self.status.record("prologue", peer=src, detail=self.steps)
+                body = into[src].detach().reshape(-1)  # a stand-in: every rank raises later
+            got[src] = body
+            self.bytes_received += body.numel() * body.element_size()
+        self.steps += 1
+        return got
+
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape and dtype everywhere), indexed by rank."""
         t = tensor.detach().contiguous()
-        nbytes = t.numel() * t.element_size()
-        out = [t if r == self.rank else torch.empty_like(t) for r in range(self.world_size)]
-        recvs = [self.transport.irecv(out[r], r) for r in range(self.world_size) if r != self.rank]
-        sends = [self.transport.isend(t, r) for r in range(self.world_size) if r != self.rank]
-        for w in recvs + sends:
-            w.wait(self.timeout)
-        self.bytes_sent += nbytes * (self.world_size - 1)
-        self.bytes_received += nbytes * (self.world_size - 1)
-        return out
+        others = [r for r in range(self.world_size) if r != self.rank]
+        got = self._swap({r: t for r in others}, {r: t for r in others})
+        return [t if r == self.rank else got[r].view(t.shape) for r in range(self.world_size)]
 
     def allreduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """The element-wise ``op`` of every rank's integer ``tensor`` (same shape and dtype
@@ -197,17 +244,11 @@ class PrologueComm:
             s = step if reducing else step - (n - 1)
             send = piece(r - s) if reducing else piece(r + 1 - s)
             dst = piece(r - s - 1) if reducing else piece(r - s)
-            got = torch.empty_like(dst)
-            works = []
-            if got.numel():
-                works.append(self.transport.irecv(got, prv))
-            if send.numel():
-                works.append(self.transport.isend(send.contiguous(), nxt))
-            for w in works:
-                w.wait(self.timeout)
-            self.bytes_sent += send.numel() * send.element_size()
-            self.bytes_received += got.numel() * got.element_size()
-            if got.numel():
+            # an empty piece is not sent (the ring's step still counts)
+            got = self._swap(
+                {nxt: send} if send.numel() else {}, {prv: dst} if dst.numel() else {}
+            ).get(prv)
+            if got is not None:
                 dst.copy_(_combine(dst, got, op) if reducing else got)
         return out.view(tensor.shape)
 

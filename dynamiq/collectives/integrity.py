@@ -11,7 +11,10 @@ round then fail the receiver's check. No extra message is sent. CRC-32C comes fr
 ``integrity`` extra), else from the standard library's ``zlib.crc32`` (CRC-32, slower);
 every rank must use the same one, so its name is part of the configuration the ranks agree
 on (:data:`ALGORITHM`). Length headers (data-dependent sizes) are always sealed with a check
-of the length and its identity (:func:`seal_length`), ``verify`` or not.
+of the length and its identity (:func:`seal_length`), ``verify`` or not, and so are the small
+messages of a codec's prologue (:func:`seal_message`): both with the standard library's
+CRC-32, the same on every install (no agreement needed), since what they size or decide must
+never differ between ranks.
 
 **Status** (:class:`Status`). What a rank detects during a collective (a failed checksum, a
 codec's bad input, a deferred device error, ...) is *recorded*, not raised, so the rank keeps
@@ -44,9 +47,12 @@ __all__ = [
     "Status",
     "checksum",
     "identity",
+    "message_extra",
     "open_length",
+    "open_message",
     "pack_checksum",
     "seal_length",
+    "seal_message",
     "unpack_checksum",
 ]
 
@@ -95,7 +101,7 @@ _SEAL_MASK = (1 << (63 - _LENGTH_BITS)) - 1  # 23 bits: the word stays a non-neg
 
 
 def _seal(ident: bytes, size: int) -> int:
-    return _crc(ident + b"L" + struct.pack("<q", size)) & _SEAL_MASK
+    return zlib.crc32(ident + b"L" + struct.pack("<q", size)) & _SEAL_MASK
 
 
 def seal_length(ident: bytes, size: int) -> int:
@@ -117,6 +123,38 @@ def open_length(ident: bytes, word: int) -> int | None:
 
 #: bytes of a payload's checksum, appended to the payload (``verify``)
 CHECKSUM_BYTES = 4
+
+
+def _message_tail(ident: bytes, body: torch.Tensor) -> torch.Tensor:
+    """The check :func:`seal_message` appends to ``body``: its CRC-32 (with ``ident``) in
+    ``CHECKSUM_BYTES`` bytes, zero-padded to whole elements of ``body``'s dtype (uint8)."""
+    crc = zlib.crc32(_view(body), zlib.crc32(ident + b"P"))
+    width = -(-CHECKSUM_BYTES // body.element_size()) * body.element_size()
+    raw = crc.to_bytes(CHECKSUM_BYTES, "little") + bytes(width - CHECKSUM_BYTES)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(body.device)
+
+
+def message_extra(t: torch.Tensor) -> int:
+    """Elements :func:`seal_message` appends to a tensor of ``t``'s dtype."""
+    return -(-CHECKSUM_BYTES // t.element_size())
+
+
+def seal_message(ident: bytes, t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened, with a CRC-32 of its bytes and of ``ident`` appended, in ``t``'s
+    dtype (:func:`message_extra` more elements): a prologue's message, always sealed."""
+    body = t.detach().reshape(-1).contiguous()
+    return torch.cat([body.view(torch.uint8), _message_tail(ident, body)]).view(body.dtype)
+
+
+def open_message(ident: bytes, wire: torch.Tensor) -> torch.Tensor | None:
+    """The tensor a message :func:`seal_message` made holds (1-D), or ``None`` if it fails
+    its check (corrupted, or meant for another rank, step or collective)."""
+    extra = message_extra(wire)
+    if wire.numel() < extra:
+        return None
+    body = wire[: wire.numel() - extra]
+    tail = wire[wire.numel() - extra :].contiguous().view(torch.uint8)
+    return body if torch.equal(tail, _message_tail(ident, body)) else None
 
 
 def pack_checksum(value: int, device: torch.device) -> torch.Tensor:
@@ -163,6 +201,21 @@ KINDS: dict[str, Kind] = {
         Kind("config", 3, True, CollectiveStatusError, "a configuration error ({detail})"),
         Kind("overflow", 4, False, CollectiveStatusError, "overflow ({detail})"),
         Kind("nonfinite", 5, False, CollectiveStatusError, "non-finite input"),
+        Kind(
+            "prologue",
+            6,
+            True,
+            IntegrityError,
+            "a message of the codec's prologue from rank {peer} failed its checksum (step "
+            "{detail})",
+        ),
+        Kind(
+            "header",
+            7,
+            True,
+            IntegrityError,
+            "the length header of a message from rank {peer} failed its check",
+        ),
     ]
 }
 _BY_BIT = {k.bit: k for k in KINDS.values()}
@@ -247,11 +300,17 @@ class Status:
         text = k.what.format(peer=peer, detail=self.details(detail))
         return f"rank {rank}: {text}" + (f" ({', '.join(where)})" if where else "")
 
-    def raise_for_error(self, collective: str = "") -> None:
-        """Raise the first fatal failure's error (its kind's class), if there is one."""
+    def raise_for_error(self, collective: str = "", everywhere: bool = True) -> None:
+        """Raise the first fatal failure's error (its kind's class), if there is one
+        (``everywhere``: after :meth:`exchange`, every rank raises it; the error's
+        ``everywhere`` attribute says so)."""
         if not self.failed:
             return
         k = _BY_BIT.get(self.first[2])
         error = k.error if k is not None else CollectiveStatusError
         prefix = f"{collective}: " if collective else ""
-        raise error(f"{prefix}{self.describe()}; detected there, raised on every rank")
+        if not everywhere:
+            raise error(f"{prefix}{self.describe()}")
+        err = error(f"{prefix}{self.describe()}; detected there, raised on every rank")
+        err.everywhere = True  # type: ignore[attr-defined]  # (no rank to blame: all know)
+        raise err

@@ -44,6 +44,7 @@ from .bounds import fp32_add_slack as _slack
 from .bounds import group_size as _group_size
 from .engine import EngineResult
 from .handshake import local_prologues
+from .integrity import message_extra
 from .planning import CtxKey, Plan, chunk_layout, layout_align, prologue_bounds
 from .schedules import Schedule
 
@@ -158,6 +159,7 @@ class _Sim:
         self.state: list[list[_Enc | None]] = [[None] * schedule.num_chunks for _ in range(n)]
         self.sent = [0] * n
         self.received = [0] * n
+        self.checks = [0] * n  # the seals of the prologue's messages (control bytes)
         self.bound_sent = [0] * n
         self.shared: list[Mapping[str, Any] | None] = [None] * n
         self.group = [0] * n  # ranks with equal prologue results decode alike
@@ -441,6 +443,7 @@ class _Sim:
             for r, comm in enumerate(comms):
                 self.sent[r] += comm.bytes_sent
                 self.received[r] += comm.bytes_received
+                self.checks[r] += comm.check_bytes_sent
         for r in range(self.n):
             self.group[r] = next(q for q in range(r + 1) if _same(self.shared[q], self.shared[r]))
         recut = prologue_bounds(self.shared[0], self.numel, self.schedule, codec)
@@ -470,16 +473,21 @@ class _Sim:
         if n == 1:
             return
         piece = [length * (i + 1) // n - length * i // n for i in range(n)]
+        seal = message_extra(stats[0]) * size  # each non-empty message is sealed
         for r in range(n):
             self.sent[r] += size * (2 * length - piece[(r + 1) % n] - piece[(r + 2) % n])
             self.received[r] += size * (2 * length - piece[r] - piece[(r + 1) % n])
+            # the ring sends piece r - s (reduce-scatter), then r + 1 - s (all-gather)
+            sends = [piece[(r - s) % n] for s in range(n - 1)]
+            sends += [piece[(r + 1 - s) % n] for s in range(n - 1)]
+            self.checks[r] += seal * sum(1 for p in sends if p)
 
     def finish(self) -> list[EngineResult]:
         """Each rank's output: its raw values, and the decoded bytes of what it holds encoded
         (ranks holding the same encodings share the work)."""
         t = time.perf_counter()
         done: dict[tuple[Any, ...], int] = {}
-        control = _handshake_bytes(self)
+        control = [c + k for c, k in zip(_handshake_bytes(self), self.checks, strict=True)]
         results = []
         for r in range(self.n):
             row = self.state[r]

@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .failures import DictBoard, StoreBoard
+
 __all__ = [
     "Channel",
     "LocalCluster",
@@ -48,11 +50,20 @@ _TAG_SPACE = 1 << 30
 
 class PeerTimeoutError(TimeoutError):
     """A peer did not deliver (or accept) data in time: it died, closed the connection,
-    stalled or disagrees."""
+    stalled or disagrees. ``peer``: the rank waited for, where known."""
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 class TransportError(RuntimeError):
-    """The transport itself failed to start a transfer (e.g. a broken process group)."""
+    """The transport itself failed to start a transfer (e.g. a broken process group).
+    ``peer``: the rank of the transfer, where known."""
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 class Work(Protocol):
@@ -125,6 +136,13 @@ class Channel:
         self.rank: int = base.rank
         self.world_size: int = base.world_size
         self.tag = 0 if sequencer.serial else 1 + seq % _TAG_SPACE
+        #: whether :meth:`irecv_upto` can take a message shorter than its buffer
+        self.can_drain = bool(getattr(base, "can_drain", False))
+
+    @property
+    def board(self) -> Any:
+        """Where failures are posted (dynamiq/collectives/failures.py), or ``None``."""
+        return getattr(self.base, "board", None)
 
     def start(self) -> None:
         self.sequencer.start(self.seq)
@@ -141,6 +159,13 @@ class Channel:
         if self.tag:
             return self.base.irecv(tensor, src, tag=self.tag)
         return self.base.irecv(tensor, src)
+
+    def irecv_upto(self, tensor: torch.Tensor, src: int) -> Work:
+        """Receive a message of *at most* ``tensor``'s size (only where ``can_drain``): the
+        engine drains a payload whose length it cannot trust this way."""
+        if self.tag:
+            return self.base.irecv_upto(tensor, src, tag=self.tag)
+        return self.base.irecv_upto(tensor, src)
 
     def close(self) -> None:
         """Ends this collective (as :meth:`end`); the transport stays open."""
@@ -175,16 +200,26 @@ class _Done:
 
 
 class _LocalRecv:
-    def __init__(self, cluster: LocalCluster, out: torch.Tensor, src: int, dst: int, tag: int):
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        out: torch.Tensor,
+        src: int,
+        dst: int,
+        tag: int,
+        upto: bool = False,
+    ):
         self.cluster, self.out, self.src, self.dst = cluster, out, src, dst
         self.q = cluster.box(src, dst, tag)
+        self.upto = upto  # a message shorter than ``out`` is taken (into its start)
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
             if self.cluster.aborted.is_set():
                 raise PeerTimeoutError(
-                    f"rank {self.dst}: gave up waiting for peer {self.src}: another rank failed"
+                    f"rank {self.dst}: gave up waiting for peer {self.src}: another rank failed",
+                    self.src,
                 )
             try:
                 msg = self.q.get(timeout=min(0.05, max(deadline - time.monotonic(), 0.0)))
@@ -192,14 +227,16 @@ class _LocalRecv:
             except queue.Empty:
                 if time.monotonic() >= deadline:
                     raise PeerTimeoutError(
-                        f"rank {self.dst}: no data from peer {self.src} within {timeout:g} s"
+                        f"rank {self.dst}: no data from peer {self.src} within {timeout:g} s",
+                        self.src,
                     ) from None
-        if msg.numel() != self.out.numel() or msg.dtype != self.out.dtype:
+        size_ok = msg.numel() <= self.out.numel() if self.upto else msg.numel() == self.out.numel()
+        if not size_ok or msg.dtype != self.out.dtype:
             raise ValueError(
                 f"rank {self.dst}: message from peer {self.src} has {msg.numel()} "
                 f"{msg.dtype} values, expected {self.out.numel()} {self.out.dtype}"
             )
-        self.out.copy_(msg.to(self.out.device))
+        self.out[: msg.numel()].copy_(msg.to(self.out.device))
 
 
 class LocalCluster:
@@ -215,6 +252,8 @@ class LocalCluster:
         self.sequencers = [Sequencer(serial=False) for _ in range(world_size)]
         #: set when a rank fails, so that the others stop waiting for it at once
         self.aborted = threading.Event()
+        #: where failed collectives post who failed (dynamiq/collectives/failures.py)
+        self.board = DictBoard()
 
     def box(self, src: int, dst: int, tag: int) -> queue.Queue[torch.Tensor]:
         with self._lock:
@@ -233,6 +272,8 @@ class LocalTransport:
         self.world_size = cluster.world_size
         self.sequencer = cluster.sequencers[rank]
         self.closed = False
+        self.can_drain = True  # :meth:`irecv_upto`
+        self.board = cluster.board
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         _check_open(self.closed, self.rank, "isend")
@@ -242,6 +283,11 @@ class LocalTransport:
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         _check_open(self.closed, self.rank, "irecv")
         return _LocalRecv(self.cluster, tensor, src, self.rank, tag)
+
+    def irecv_upto(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        """Receive a message of at most ``tensor``'s size (as gloo does)."""
+        _check_open(self.closed, self.rank, "irecv")
+        return _LocalRecv(self.cluster, tensor, src, self.rank, tag, upto=True)
 
     def close(self) -> None:
         """Later transfers raise; messages already sent stay in the peers' mailboxes."""
@@ -266,11 +312,12 @@ class _DistWork:
                 what = f"peer {self.peer} closed the connection after {took:.1f} s"
             else:
                 what = f"no data from peer {self.peer} within {timeout:g} s"
-            raise PeerTimeoutError(f"rank {self.rank}: {self.verb}: {what} ({first})") from exc
-        if ok is False:
             raise PeerTimeoutError(
-                f"rank {self.rank}: {self.verb}: no data from peer {self.peer} within {timeout:g} s"
-            )
+                f"rank {self.rank}: {self.verb}: {what} ({first})", self.peer
+            ) from exc
+        if ok is False:
+            what = f"no data from peer {self.peer} within {timeout:g} s"
+            raise PeerTimeoutError(f"rank {self.rank}: {self.verb}: {what}", self.peer)
 
 
 #: one sequencer per process group, shared by every transport over it
@@ -310,6 +357,9 @@ class TorchDistTransport:
         self.group = group
         self.sequencer = _group_sequencer(dist, group)
         self.closed = False
+        #: gloo takes a message shorter than the receive's buffer (:meth:`irecv_upto`)
+        self.can_drain = dist.get_backend(group) == "gloo"
+        self._board: Any = None
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._global: Sequence[int] = (
@@ -323,7 +373,9 @@ class TorchDistTransport:
         try:
             work = self.dist.isend(tensor, dst=self._global[dst], group=self.group, tag=tag)
         except RuntimeError as exc:
-            raise TransportError(f"rank {self.rank}: cannot send to peer {dst}: {exc}") from exc
+            raise TransportError(
+                f"rank {self.rank}: cannot send to peer {dst}: {exc}", dst
+            ) from exc
         return _DistWork(work, dst, self.rank, "send to")
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
@@ -332,9 +384,28 @@ class TorchDistTransport:
             work = self.dist.irecv(tensor, src=self._global[src], group=self.group, tag=tag)
         except RuntimeError as exc:
             raise TransportError(
-                f"rank {self.rank}: cannot receive from peer {src}: {exc}"
+                f"rank {self.rank}: cannot receive from peer {src}: {exc}", src
             ) from exc
         return _DistWork(work, src, self.rank, "receive from")
+
+    @property
+    def board(self) -> Any:
+        """The group's store as a board of failures (dynamiq/collectives/failures.py), or
+        ``None`` where torch.distributed does not expose it."""
+        if self._board is None:
+            try:
+                c10d = self.dist.distributed_c10d
+                group = self.group if self.group is not None else self.dist.group.WORLD
+                self._board = StoreBoard(c10d._get_process_group_store(group))
+            except Exception:  # a private API: without it, no board
+                self._board = False
+        return self._board or None
+
+    def irecv_upto(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        """Receive a message of at most ``tensor``'s size (gloo only: ``can_drain``)."""
+        if not self.can_drain:
+            raise TransportError(f"rank {self.rank}: this backend cannot drain a message")
+        return self.irecv(tensor, src, tag=tag)
 
     def close(self) -> None:
         """Later transfers raise."""

@@ -51,8 +51,10 @@ SCENARIOS = ("clean", *FAULTS, "config")
 VICTIM = 1
 SUB_CHUNK = 4096
 #: the bit flipped: payload (bit 0 of its first byte), header (bit 7 of the length: another
-#: size the codec can produce), bound (the lowest exponent bit: twice or half the bound)
-_FLIP = {"payload": 0, "header": 7, "bound": 0}
+#: size the codec can produce), bound (the lowest exponent bit: twice or half the bound),
+#: prologue (bit 30 of a 4-byte value: the top exponent bit of THC's fp32 scale, 2^30 more
+#: or less demand in DynamiQ's int32; bit 14 of an int16)
+_FLIP = {"payload": 0, "header": 7, "bound": 0, "prologue": 30}
 _NAMED = (
     "IntegrityError",
     "PeerTimeoutError",
@@ -99,6 +101,15 @@ def _schedule_options(cell: Cell) -> dict[str, Any]:
     return {"ranks_per_node": 3 if cell.world == 3 else 2}
 
 
+def _strike_at(cell: Cell) -> int:
+    """Which message the fault strikes: reorder the first two sub-chunks; a prologue message
+    of DynamiQ's ring all-reduce in its all-gather half (step ``n - 1``: only the ranks after
+    the victim would see it), THC's first; else the second payload."""
+    if cell.fault == "prologue":
+        return cell.world - 1 if cell.codec == "dynamiq" else 0
+    return 0 if cell.fault == "reorder" else 1
+
+
 def _run_cell(rank: int, cell: Cell, group: Any, timeout: float) -> tuple[str, float, bool]:
     from dynamiq.collectives import allreduce
     from dynamiq.collectives.transport import TorchDistTransport
@@ -107,7 +118,7 @@ def _run_cell(rank: int, cell: Cell, group: Any, timeout: float) -> tuple[str, f
     faulty = None
     if rank == VICTIM and cell.fault in FAULTS:
         flip = _FLIP.get(cell.fault, 0)
-        at = 0 if cell.fault == "reorder" else 1  # reorder: the first two sub-chunks
+        at = _strike_at(cell)
         faulty = tr = FaultyTransport(
             tr, cell.fault, at=at, verify=cell.verify, stall=timeout + 1, flip=flip
         )

@@ -12,9 +12,14 @@ alone. Faults, each hitting the ``at``-th payload (counted from 0) and what goes
 - ``stall``: sleeps ``stall`` seconds before sending it, then goes on;
 - ``drop``: it and every later message to that peer are never sent (a link gone silent);
 - ``reorder``: it (with its header and bound) swaps places with the next payload to the
-  same peer (same sizes, so gloo matches them);
+  same peer, if they have the same sizes or length headers (else gloo would abort on the
+  size mismatch before any check: the fault does not apply);
 - ``payload``, ``header``, ``bound``: one bit of it, of its length header, of its bound is
-  flipped (``flip`` names the bit).
+  flipped (``flip`` names the bit);
+- ``prologue``: one bit of the ``at``-th message of the codec's prologue is flipped (the
+  prologue's messages are the ones of another dtype than ``uint8``, ``int64`` and
+  ``float64``: DynamiQ's ring all-reduce of int16/int32 demands, THC's all-gather of fp32
+  scales).
 
 A fault that cannot apply (no header: fixed-size codec; no bound; no next payload) leaves
 the messages alone: :attr:`FaultyTransport.applied` says whether it struck.
@@ -31,7 +36,9 @@ import torch
 
 __all__ = ["FAULTS", "KILLED", "FaultyTransport"]
 
-FAULTS = ("kill", "stall", "drop", "reorder", "payload", "header", "bound")
+FAULTS = ("kill", "stall", "drop", "reorder", "payload", "header", "bound", "prologue")
+#: dtypes of the engine's own messages; a message of any other dtype is the codec's prologue
+_ENGINE_DTYPES = (torch.uint8, torch.int64, torch.float64)
 #: exit code of a rank killed by the ``kill`` fault
 KILLED = 17
 
@@ -82,6 +89,7 @@ class FaultyTransport:
         self.sequencer = base.sequencer
         self.skip = math.ceil(math.log2(self.world_size)) if self.world_size > 1 else 0
         self.payloads = 0  # uint8 messages seen, the configuration check's included
+        self.prologue_messages = 0  # messages of the codec's prologue seen
         self.applied = False
         self._struck = False
         self._bound_to: int | None = None  # ``bound``: flip the next float64 to this peer
@@ -94,6 +102,17 @@ class FaultyTransport:
 
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> Any:
         return _Recv(self, self.base.irecv(t, src, tag=tag))
+
+    @property
+    def board(self) -> Any:
+        return getattr(self.base, "board", None)
+
+    @property
+    def can_drain(self) -> bool:
+        return bool(getattr(self.base, "can_drain", False))
+
+    def irecv_upto(self, t: torch.Tensor, src: int, tag: int = 0) -> Any:
+        return _Recv(self, self.base.irecv_upto(t, src, tag=tag))
 
     def close(self) -> None:
         self.base.close()
@@ -109,7 +128,7 @@ class FaultyTransport:
         if t.dtype == torch.uint8:
             index = self.payloads - self.skip
             self.payloads += 1
-            if index == self.at and not self._struck:
+            if index == self.at and not self._struck and self.fault != "prologue":
                 self._struck = True
                 t, msgs = self._strike(t, dst, msgs)
                 if dst in self._dropped:
@@ -118,6 +137,11 @@ class FaultyTransport:
                 self._starts[dst].append(len(self._held[dst]))
         elif t.dtype == torch.float64 and self._bound_to == dst:
             t, self.applied, self._bound_to = _flipped(t, 52 + self.flip), True, None
+        elif t.dtype not in _ENGINE_DTYPES:  # the codec's prologue
+            index, self.prologue_messages = self.prologue_messages, self.prologue_messages + 1
+            if self.fault == "prologue" and index == self.at and not self._struck:
+                self._struck = True
+                t, self.applied = _flipped(t, self.flip), True
         for m in [*msgs, (t, tag, out)]:
             self._queue(dst, *m)
         return out
@@ -168,13 +192,25 @@ class FaultyTransport:
             if len(starts) >= 2:
                 b = starts[1]
                 c = starts[2] if len(starts) > 2 else len(msgs)
-                msgs = msgs[b:c] + msgs[:b] + msgs[c:]
-                self.applied = True
+                if _swappable(msgs[:b], msgs[b:c]):
+                    msgs = msgs[b:c] + msgs[:b] + msgs[c:]
+                    self.applied = True
             for t, tag, out in msgs:
                 out.work = self.base.isend(t, dst, tag=tag)
         for dst in list(self._header):
             t, tag, out = self._header.pop(dst)
             out.work = self.base.isend(t, dst, tag=tag)
+
+
+def _swappable(
+    a: list[tuple[torch.Tensor, int, _Sent]], b: list[tuple[torch.Tensor, int, _Sent]]
+) -> bool:
+    """Whether two groups of messages can swap places without a size mismatch, which gloo
+    answers by aborting the process before any check of ours: the same sizes (DynamiQ's
+    pooled sub-chunks may differ), or sized by length headers (the receiver then drains)."""
+    if a and b and FaultyTransport._is_header(a[0][0]) and FaultyTransport._is_header(b[0][0]):
+        return True
+    return [m[0].numel() for m in a] == [m[0].numel() for m in b]
 
 
 def _flipped(t: torch.Tensor, bit: int) -> torch.Tensor:
