@@ -102,7 +102,7 @@ SOURCES = (
     _CSRC / "passthrough_kernels.cpp",
 )
 #: what they include
-HEADERS = (_CSRC / "common.h",)
+HEADERS = (_CSRC / "common.h", _CSRC / "dynamiq_avx2.h")
 #: no -ffast-math (IEEE division, subnormals kept), no FMA contraction: bit-exactness
 FLAGS = (
     "-O3",
@@ -576,7 +576,7 @@ def _pooled_args(
             ptrs[f"budget_{side}_of"] = ptrs[f"offset_{side}_of"] = None
             continue
         bits = (pooled * 8).contiguous()
-        offs = torch.tensor(codec._span_offsets(n, bits)[:-1], dtype=torch.int64)
+        offs = codec._span_offset_tensor(n, bits).contiguous()
         keep += [bits, offs]
         ptrs[f"budget_{side}_of"], ptrs[f"offset_{side}_of"] = bits.data_ptr(), offs.data_ptr()
     return ptrs, keep

@@ -52,6 +52,8 @@
     defined(__AVX512VL__) && defined(__BMI2__) && !defined(DQ_PORTABLE)
 #define DQ_VECTOR 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__BMI2__) && defined(__F16C__) && !defined(DQ_PORTABLE)
+#define DQ_AVX2 1  // the same with 8 lanes (dynamiq_avx2.h)
 #endif
 
 namespace {
@@ -81,6 +83,10 @@ struct DynJob {
   const float* eyt;   // [9 * 256] each width's rounding keys as a search tree (vector code)
   const float* eyt5;  // [9 * 32] widths 1..5: the same padded with +inf to 5 levels
   int32_t q[MAX_W], q_lo, q_hi;  // the priorities Q[w], their range
+  // by d = tau - 8 L - q_lo clamped to [0, d_max]: the width of a group of level L at
+  // threshold tau (how many Q[w] >= tau - 8 L) and whether its next bit is worth tau - 1
+  int32_t d_max, pad;  // pad: how far the widths' cost looks past the levels (in levels)
+  uint8_t w_of_d[256], r_of_d[256];
   float steps[E_MAX + 1], powers[E_MAX + 1];
   const void* x;
   const uint8_t* in;
@@ -127,9 +133,8 @@ struct Scratch {
   std::vector<int32_t> sgl;      // super-group levels k floor(log2 S) (DEAD: no bits)
   std::vector<uint8_t> emin, emax;  // the range of the group codes of each super-group
   std::vector<uint8_t> rise;     // groups whose next bit is worth tau - 1
-  std::vector<uint8_t> wtab;     // width and rise of each level of a span
   std::vector<float> S, s;       // super-group scales, group scales
-  std::vector<int64_t> hist;     // level histogram (suffix sums)
+  std::vector<int32_t> hist;     // level histogram (suffix sums), padded (widths)
   std::vector<uint8_t> body;     // the span's packed codes (with slack)
   std::vector<uint32_t> codes;   // one group's codes
   std::vector<float> u;          // one group's dither
@@ -148,10 +153,9 @@ struct Scratch {
       emin.resize((size_t)G.n_sg);
       emax.resize((size_t)G.n_sg);
       rise.resize((size_t)G.n_gp);
-      wtab.resize((size_t)(2 * (j.k * 300 + 64)));
       S.resize((size_t)G.n_sg);
       s.resize((size_t)G.n_gp);
-      hist.resize((size_t)(j.k * 300 + 64));  // any range of levels
+      hist.resize((size_t)(j.k * 300 + 64 + 2 * j.pad));  // any range of levels
       body.resize((size_t)(max_body + j.g + 16));
       codes.resize((size_t)j.g + 8);
       u.resize((size_t)j.g);
@@ -161,6 +165,10 @@ struct Scratch {
     return true;
   }
 };
+
+#ifdef DQ_AVX2
+#include "dynamiq_avx2.h"
+#endif
 
 // -- widths -----------------------------------------------------------------------------------
 
@@ -205,64 +213,55 @@ void widths(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
     }
     return;
   }
-  // suffix sums of the live groups' sizes by level: suf[i] = elements with L >= lmin + i
-  // (suf[nb] = 0); per super-group, the groups of each code counted by comparisons
-  const int32_t nb = lmax - lmin + 1, stride = nb + 1;
+  // suffix sums of the live groups' sizes by level: suf[i] = elements with L >= lmin + i,
+  // for i in [-pad, nb + pad] (suf[i] = suf[0] below 0, 0 from nb on): every index the cost
+  // below takes, so it needs no clamps
+  const int32_t nb = lmax - lmin + 1, pad = j.pad, stride = nb + 2 * pad + 1;
   if ((size_t)stride > sc.hist.size()) sc.hist.resize((size_t)stride);
-  if ((size_t)(2 * stride) > sc.wtab.size()) sc.wtab.resize((size_t)(2 * stride));
-  int64_t* suf = sc.hist.data();
-  std::fill(suf, suf + stride, 0);
+  int32_t* const suf = sc.hist.data() + pad;
+  std::fill(suf - pad, suf + nb + pad + 1, 0);
   for (int64_t sgi = 0; sgi < G.n_sg; sgi++) {
     if (sgl[sgi] == DEAD) continue;
     const int64_t g0 = sgi * per, g1 = std::min(g0 + per, n_g);
-    for (uint32_t v = emin[sgi]; v <= emax[sgi]; v++) {
-      int32_t cnt = 0;
-      for (int64_t gi = g0; gi < g1; gi++) cnt += e[gi] == v ? 1 : 0;
-      suf[sgl[sgi] - (int32_t)v - lmin] += cnt * g;
-    }
+    int32_t* const at = suf + (sgl[sgi] - lmin);  // at[-e]: the bin of code e
+    for (int64_t gi = g0; gi < g1; gi++) at[-(int32_t)e[gi]] += (int32_t)g;
   }
   const int64_t last_sg = (n_g - 1) / per;
-  if (sgl[last_sg] != DEAD) suf[sgl[last_sg] - e[n_g - 1] - lmin] -= g - G.last;  // short
+  if (sgl[last_sg] != DEAD) suf[sgl[last_sg] - e[n_g - 1] - lmin] -= (int32_t)(g - G.last);
   for (int32_t i = nb - 1; i >= 0; i--) suf[i] += suf[i + 1];
+  for (int32_t i = -pad; i < 0; i++) suf[i] = suf[0];
   // cost(t): the bits taken at threshold t; a group of level L takes its bit w iff
-  // 8 L + Q[w] >= t, i.e. L >= ceil((t - Q[w]) / 8)
+  // 8 L + Q[w] >= t, i.e. L >= ceil((t - Q[w]) / 8) = lmin + ((t + 7 - Q[w] - 8 lmin) >> 3)
+  int64_t c7[MAX_W];
+  for (int ww = 0; ww < MAX_W; ww++) c7[ww] = 7 - (int64_t)j.q[ww] - 8 * (int64_t)lmin;
   auto cost = [&](int64_t t) {
     int64_t c = 0;
-    for (int ww = 0; ww < MAX_W; ww++) {
-      int64_t i = ((t - j.q[ww] + 7) >> 3) - lmin;
-      c += suf[std::min<int64_t>(std::max<int64_t>(i, 0), nb)];
-    }
+    for (int ww = 0; ww < MAX_W; ww++) c += suf[(t + c7[ww]) >> 3];
     return c;
   };
   // the smallest tau in [lo, hi] with cost(tau) <= budget (cost(hi) = 0; cost never rises)
   int64_t lo = 8 * (int64_t)lmin + j.q_lo, hi = 8 * (int64_t)lmax + j.q_hi + 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi) >> 1;  // floor
-    if (cost(mid) <= budget) hi = mid;
-    else lo = mid + 1;
+    const bool fits = cost(mid) <= budget;
+    hi = fits ? mid : hi;
+    lo = fits ? lo : mid + 1;
   }
   const int64_t tau = lo;
-  // per level L in [lmin, lmax]: the width (how many Q[w] >= tau - 8 L) and whether the
-  // next bit is worth tau - 1 (8 L + Q[w] == tau - 1, w < 8)
-  uint8_t* __restrict wtab = sc.wtab.data();
-  uint8_t* __restrict rtab = wtab + stride;
-  for (int32_t i = 0; i < nb; i++) {
-    const int64_t p0 = 8 * (int64_t)(lmin + i);
-    int cnt = 0;
-    for (int ww = 0; ww < MAX_W; ww++) cnt += p0 + j.q[ww] >= tau ? 1 : 0;
-    wtab[i] = (uint8_t)cnt;
-    rtab[i] = cnt < MAX_W && p0 + j.q[cnt] == tau - 1 ? 1 : 0;
-  }
-  // the groups' widths and rising flags, by their codes (a 16-entry table per super-group)
+  // the groups' widths (how many Q[w] >= tau - 8 L) and whether their next bit is worth
+  // tau - 1, from the job's tables by d = tau - 8 L - min Q, through a 16-entry table of
+  // each super-group by code (L = L0 - e)
   uint8_t* __restrict rise = sc.rise.data();
   int32_t sum = 0;
   for (int64_t sgi = 0; sgi < G.n_sg; sgi++) {
     const int64_t g0 = sgi * per, g1 = std::min(g0 + per, n_g);
-    uint8_t wsg[E_MAX + 1] = {0}, rsg[E_MAX + 1] = {0};
+    alignas(16) uint8_t wsg[E_MAX + 1] = {0}, rsg[E_MAX + 1] = {0};
     if (sgl[sgi] != DEAD) {
+      const int64_t d0 = tau - 8 * (int64_t)sgl[sgi] - j.q_lo;
       for (uint32_t v = emin[sgi]; v <= emax[sgi]; v++) {
-        wsg[v] = wtab[sgl[sgi] - (int32_t)v - lmin];
-        rsg[v] = rtab[sgl[sgi] - (int32_t)v - lmin];
+        const int64_t d = std::min<int64_t>(std::max<int64_t>(d0 + 8 * (int64_t)v, 0), j.d_max);
+        wsg[v] = j.w_of_d[d];
+        rsg[v] = j.r_of_d[d];
       }
     }
     int64_t gi = g0;
@@ -279,6 +278,19 @@ void widths(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
         acc = _mm512_add_epi64(acc, _mm512_sad_epu8(wv, _mm512_setzero_si512()));
       }
       sum += (int32_t)_mm512_reduce_add_epi64(acc);
+    }
+#elif defined(DQ_AVX2)
+    {  // 16 groups at a time: byte shuffles of the 16-entry tables
+      const __m128i tw = _mm_load_si128((const __m128i*)wsg);
+      const __m128i tr = _mm_load_si128((const __m128i*)rsg);
+      for (; gi + 16 <= g1; gi += 16) {
+        const __m128i idx = _mm_loadu_si128((const __m128i*)(e + gi));
+        const __m128i wv = _mm_shuffle_epi8(tw, idx);
+        _mm_storeu_si128((__m128i*)(w + gi), wv);
+        _mm_storeu_si128((__m128i*)(rise + gi), _mm_shuffle_epi8(tr, idx));
+        const __m128i s2 = _mm_sad_epu8(wv, _mm_setzero_si128());
+        sum += _mm_cvtsi128_si32(s2) + _mm_extract_epi16(s2, 4);
+      }
     }
 #endif
     for (; gi < g1; gi++) {
@@ -344,11 +356,16 @@ void scale_codes(const DynJob& j, const Geo& G, uint8_t* hdr, Scratch& sc) {
     // e: the largest code whose scale is still >= the group absmax (0 if none: NaN); a
     // group of zeros: 15. With falling candidates, the count of the codes 1..15 that fit.
     if (falls) {
-      for (int64_t gi = 0; gi < per; gi++) {
+      int64_t gi = 0;
+#ifdef DQ_AVX2
+      gi = scale_codes_avx2(cand, gm, per, e, s);
+#endif
+      for (; gi < per; gi++) {
         const float a = u2f(gm[gi]);
         int32_t c = 0;
         for (int ee = 1; ee <= E_MAX; ee++) c += cand[ee] >= a ? 1 : 0;
         e[gi] = (uint8_t)(gm[gi] == 0 ? E_MAX : c);
+        s[gi] = cand[e[gi]];
       }
     } else {
       for (int64_t gi = 0; gi < per; gi++) {
@@ -356,13 +373,16 @@ void scale_codes(const DynJob& j, const Geo& G, uint8_t* hdr, Scratch& sc) {
         int best = 0;
         for (int ee = 0; ee <= E_MAX; ee++) best = cand[ee] >= a ? ee : best;
         e[gi] = (uint8_t)(gm[gi] == 0 ? E_MAX : best);
+        s[gi] = cand[e[gi]];
       }
     }
-    for (int64_t gi = 0; gi < per; gi++) s[gi] = cand[e[gi]];
   }
+  // the codes, two to a byte (the first in the low nibble)
   uint8_t* eb = hdr + G.sb;
-  std::memset(eb, 0, (size_t)G.eb);
-  for (int64_t gi = 0; gi < G.n_g; gi++) eb[gi >> 1] |= (uint8_t)(sc.e[gi] << (4 * (gi & 1)));
+  const uint8_t* e = sc.e.data();
+  const int64_t pairs = G.n_g >> 1;
+  for (int64_t i = 0; i < pairs; i++) eb[i] = (uint8_t)(e[2 * i] | e[2 * i + 1] << 4);
+  if (G.n_g & 1) eb[pairs] = e[G.n_g - 1];
 }
 
 // -- vector code (AVX-512) ------------------------------------------------------------------
@@ -555,7 +575,12 @@ void read_header(const DynJob& j, const Geo& G, const uint8_t* p, int64_t budget
   }
   const uint8_t* eb = p + G.sb;
   uint8_t* __restrict e = sc.e.data();
-  for (int64_t gi = 0; gi < G.n_g; gi++) e[gi] = (eb[gi >> 1] >> (4 * (gi & 1))) & 15;
+  const int64_t pairs = G.n_g >> 1;
+  for (int64_t i = 0; i < pairs; i++) {
+    e[2 * i] = eb[i] & 15;
+    e[2 * i + 1] = eb[i] >> 4;
+  }
+  if (G.n_g & 1) e[G.n_g - 1] = eb[pairs] & 15;
   for (int64_t gi = G.n_g; gi < G.n_gp; gi++) e[gi] = E_MAX;
   widths(j, G, budget, sc);
 }
@@ -659,6 +684,16 @@ void decode_span(const DynJob& j, const Geo& G_, const uint8_t* p, int64_t budge
       const int64_t b0 = bit >> 3;
       if (cnt == G && b0 + 2 * wv * (G / 16 - 1) + wv + 8 <= nbytes) {  // 8 bytes readable
         m = decode_group<G, KIND, ADD>(j, wv, body + b0, s, loc, d);
+        if (ADD) sc.gmax[gi] = m;
+        bit += wv * G;
+        continue;
+      }
+    }
+#elif defined(DQ_AVX2)
+    if constexpr (G > 0 && G % 8 == 0) {
+      const int64_t b0 = bit >> 3;
+      if (cnt == G && b0 + wv * (G / 8 - 1) + 8 <= nbytes) {  // 8 bytes readable
+        m = decode_group_avx2<G, KIND, ADD>(j, wv, body + b0, s, loc, d);
         if (ADD) sc.gmax[gi] = m;
         bit += wv * G;
         continue;
@@ -793,6 +828,14 @@ void encode_span(const DynJob& j, const Geo& Gm, int64_t si, int64_t budget, con
       if (cnt == G) {
         if (j.rounding != ROUND_NEAREST) dither(j, ix, G, u);
         encode_group<G>(j, wv, x, sc.s[gi], u, body + (bit >> 3));
+        bit += wv * G;
+        continue;
+      }
+    }
+#elif defined(DQ_AVX2)
+    if constexpr (G > 0 && G % 8 == 0) {
+      if (cnt == G && j.rounding == ROUND_NEAREST) {
+        encode_group_avx2<G>(j, wv, x, sc.s[gi], body + (bit >> 3));
         bit += wv * G;
         continue;
       }
@@ -974,6 +1017,15 @@ int dq_dyn_run(dq_dyn_args* a) {
   for (int i = 0; i < MAX_W; i++) j.q[i] = (int32_t)a->q[i];
   j.q_lo = *std::min_element(j.q, j.q + MAX_W);
   j.q_hi = *std::max_element(j.q, j.q + MAX_W);
+  if (j.q_hi - j.q_lo + 2 > 255) return 1;  // (the tables of scale_steps <= 4 are smaller)
+  j.d_max = j.q_hi - j.q_lo + 2;
+  j.pad = ((j.q_hi - j.q_lo) >> 3) + 2;
+  for (int32_t d = 0; d <= j.d_max; d++) {
+    int cnt = 0;
+    for (int ww = 0; ww < MAX_W; ww++) cnt += j.q[ww] >= j.q_lo + d ? 1 : 0;
+    j.w_of_d[d] = (uint8_t)cnt;
+    j.r_of_d[d] = cnt < MAX_W && j.q[cnt] == j.q_lo + d - 1 ? 1 : 0;
+  }
   for (int i = 0; i <= E_MAX; i++) {
     j.steps[i] = a->steps[i];
     j.powers[i] = a->powers[i];
