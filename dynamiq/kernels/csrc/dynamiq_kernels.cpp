@@ -240,7 +240,15 @@ void widths(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
     return c;
   };
   // the smallest tau in [lo, hi] with cost(tau) <= budget (cost(hi) = 0; cost never rises)
+  // (three independent costs a step while the range is long: a quarter of it is left)
   int64_t lo = 8 * (int64_t)lmin + j.q_lo, hi = 8 * (int64_t)lmax + j.q_hi + 1;
+  while (hi - lo >= 4) {
+    const int64_t q = (hi - lo) >> 2, m1 = lo + q, m2 = lo + 2 * q, m3 = lo + 3 * q;
+    const bool f1 = cost(m1) <= budget, f2 = cost(m2) <= budget, f3 = cost(m3) <= budget;
+    // the first that fits bounds tau above; the last that does not, below
+    hi = f1 ? m1 : f2 ? m2 : f3 ? m3 : hi;
+    lo = f1 ? lo : f2 ? m1 + 1 : f3 ? m2 + 1 : m3 + 1;
+  }
   while (lo < hi) {
     const int64_t mid = (lo + hi) >> 1;  // floor
     const bool fits = cost(mid) <= budget;
@@ -671,9 +679,14 @@ void decode_span(const DynJob& j, const Geo& G_, const uint8_t* p, int64_t budge
   uint32_t* c = sc.codes.data();
   const int es = KIND == 0 ? 4 : 2;  // bytes per local value
   int64_t bit = 0;
+  int64_t sgi = 0, sg_end = j.per_sg;  // the super-group of group gi, and its end
   for (int64_t gi = 0; gi < Gm.n_g; gi++) {
     const int wv = sc.w[gi];
-    const float s = group_scale(j, sc.S[gi / j.per_sg], sc.e[gi]);
+    if (gi == sg_end) {
+      sgi++;
+      sg_end += j.per_sg;
+    }
+    const float s = group_scale(j, sc.S[sgi], sc.e[gi]);
     const int64_t cnt = gi == Gm.n_g - 1 ? Gm.last : g;
     const void* loc = ADD ? (const void*)((const uint8_t*)local + gi * g * es) : nullptr;
     float* d = dst + gi * g;
