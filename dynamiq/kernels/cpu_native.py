@@ -114,7 +114,7 @@ FLAGS = (
     "-std=c++17",
 )
 _LINK = ("-pthread",)
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 
 
 class CPUKernelsUnavailableWarning(RuntimeWarning):
@@ -367,6 +367,11 @@ def _open() -> ctypes.CDLL:
     lib.dq_dyn_run.restype = ctypes.c_int
     lib.dq_pt_run.argtypes = [ctypes.POINTER(_PTArgs)]
     lib.dq_pt_run.restype = ctypes.c_int
+    lib.dq_dyn_group_absmax.argtypes = [
+        ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_int32,
+    ]  # fmt: skip
+    lib.dq_dyn_group_absmax.restype = ctypes.c_int
     return lib
 
 
@@ -668,6 +673,25 @@ def _f32_bits(x: float) -> int:
 def _check_status(status: int) -> None:
     if status != 0:
         raise MemoryError("the native CPU kernel could not allocate its buffers or threads")
+
+
+def group_absmax(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The largest finite ``|x|`` of each group of ``group`` values of ``x`` (a contiguous 1-D
+    CPU tensor of fp32, bf16 or fp16 whose length is a multiple of ``group``), as fp32: NaN
+    and ±Inf count as 0 (the pooled DynamiQ codec's prologue statistics,
+    ``_dynamiq_pool._finite_absmax``)."""
+    _check_device(x)
+    _check_values("x", x)
+    n = x.numel()
+    if group < 1 or n % group:
+        raise ValueError(f"{n} values are not whole groups of {group}")
+    out = torch.empty(n // group, dtype=torch.float32)
+    if n:
+        status = _load().dq_dyn_group_absmax(
+            x.data_ptr(), _KIND[x.dtype], n, group, out.data_ptr(), _threads(n)
+        )
+        _check_status(status)
+    return out
 
 
 def encode(codec: Codec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:

@@ -958,9 +958,47 @@ bool run_spans_kind(const DynJob& j, int64_t s0, int64_t s1) {
   }
 }
 
+// the largest finite |x| (magnitude bits; NaN and ±Inf count as 0) of each group [g0, g1) of
+// G (> 0) or g values
+template <int G, int KIND>
+void finite_absmax(const void* x, int64_t g_, int64_t g0, int64_t g1, float* out) {
+  const int64_t g = G > 0 ? G : g_;
+  for (int64_t gi = g0; gi < g1; gi++) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < g; i++) {
+      const uint32_t a = f2u(load_value<KIND>(x, gi * g + i)) & 0x7FFFFFFFu;
+      m = std::max(m, a < 0x7F800000u ? a : 0u);
+    }
+    out[gi] = u2f(m);
+  }
+}
+
+template <int KIND>
+void finite_absmax_kind(const void* x, int64_t g, int64_t g0, int64_t g1, float* out) {
+  if (g == 16) finite_absmax<16, KIND>(x, g, g0, g1, out);
+  else finite_absmax<0, KIND>(x, g, g0, g1, out);
+}
+
 }  // namespace
 
 extern "C" {
+
+// The largest finite |x| of each of the n / g groups of g values of x (n a multiple of g; kind:
+// 0 fp32, 1 bf16, 2 fp16) into out, as fp32 (NaN and ±Inf count as 0): the pooled codec's
+// prologue statistics (_dynamiq_pool._finite_absmax). 0: done; 1: thread failure.
+int dq_dyn_group_absmax(const void* x, int32_t kind, int64_t n, int64_t g, float* out,
+                        int32_t nthreads) {
+  if (n <= 0 || g <= 0) return 0;
+  const int64_t groups = n / g, tile = 4096;
+  auto work = [&](int64_t t0, int64_t t1, int) -> bool {
+    const int64_t g0 = t0 * tile, g1 = std::min(groups, t1 * tile);
+    if (kind == 1) finite_absmax_kind<1>(x, g, g0, g1, out);
+    else if (kind == 2) finite_absmax_kind<2>(x, g, g0, g1, out);
+    else finite_absmax_kind<0>(x, g, g0, g1, out);
+    return true;
+  };
+  return parallel_tiles((groups + tile - 1) / tile, (int)std::max(1, nthreads), work) ? 0 : 1;
+}
 
 // Arguments of dq_dyn_run (mirrored by a ctypes.Structure in cpu_native.py).
 struct dq_dyn_args {
