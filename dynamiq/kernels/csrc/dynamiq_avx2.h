@@ -9,7 +9,8 @@
 // Encode (nearest rounding): y = x / s clamped to [-1, 1]; widths 1..5 count the round-up
 // thresholds <= y by a branch-free descent of the 5-level search tree of the width's
 // thresholds padded with +inf (cpu_native._eytzinger_rows, depth 5) held in four registers;
-// widths 6..8 gather the reference's cell tables (base[cell] + (key[cell] <= y)). The codes are
+// width 6 the same with its own 6-level tree in eight registers; widths 7 and 8 gather the
+// reference's cell tables (base[cell] + (key[cell] <= y)). The codes are
 // gathered from the low w bits of 8 bytes (pext) into w bytes.
 
 #pragma once
@@ -166,6 +167,23 @@ void encode_group_avx2(const DynJob& j, int w, const float* v, float s, uint8_t*
       k = descend8(_mm256_permutevar8x32_ps(t[1], k), y, k);  // 8..15
       k = descend8(lookup8<4>(t + 2, k), y, k);               // 16..31
       pack8(_mm256_sub_epi32(k, _mm256_set1_epi32(32)), b + w * c, mask);
+    }
+    return;
+  }
+  if (w == 6) {  // the 6-level tree of the 63 thresholds, in eight registers
+    const float* tree = j.eyt + 256 * 6;
+    __m256 t[8];
+    for (int r = 0; r < 8; r++) t[r] = _mm256_loadu_ps(tree + 8 * r);
+    for (int c = 0; c < G / 8; c++) {
+      const __m256 y = scaled8(v + 8 * c, vs);
+      __m256i k = _mm256_set1_epi32(1);
+      k = descend8(_mm256_permutevar8x32_ps(t[0], k), y, k);  // nodes 1
+      k = descend8(_mm256_permutevar8x32_ps(t[0], k), y, k);  // 2..3
+      k = descend8(_mm256_permutevar8x32_ps(t[0], k), y, k);  // 4..7
+      k = descend8(_mm256_permutevar8x32_ps(t[1], k), y, k);  // 8..15
+      k = descend8(lookup8<4>(t + 2, k), y, k);               // 16..31
+      k = descend8(lookup8<5>(t + 4, k), y, k);               // 32..63
+      pack8(_mm256_sub_epi32(k, _mm256_set1_epi32(64)), b + w * c, mask);
     }
     return;
   }
