@@ -30,7 +30,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=1 << 24)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     g = load_gradients("eval", 16, progress=False).reshape(-1)
     n = args.numel
     x, local = g[:n].contiguous(), g[n : 2 * n].contiguous()
