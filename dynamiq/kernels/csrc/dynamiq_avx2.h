@@ -70,9 +70,8 @@ inline uint64_t bytes_of(__m256i v) {
                                         -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                         -1, -1);
   const __m256i bytes = _mm256_shuffle_epi8(v, pick);  // 4 bytes at the start of each half
-  const uint64_t lo = (uint32_t)_mm256_cvtsi256_si32(bytes);
-  const uint64_t hi = (uint32_t)_mm256_extract_epi32(bytes, 4);
-  return lo | hi << 32;
+  const __m256i both = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+  return (uint64_t)_mm_cvtsi128_si64(_mm256_castsi256_si128(both));
 }
 
 // 8 codes (0..255) of width w to the w bytes at b: an 8-byte store whose bytes past the codes
