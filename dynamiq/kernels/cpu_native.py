@@ -36,8 +36,9 @@ directory and its ancestors must be owned by this user or root and writable by n
 checked before ``dlopen``, and a damaged file is rebuilt. Without a compiler, or if the
 build fails, one :class:`CPUKernelsUnavailableWarning` says why and the codecs run on their
 PyTorch reference, as before. On a CPU with AVX-512 (and BMI2), the DynamiQ kernel's full
-groups of 16, 32 or 64 values run as vector code with in-register tables; elsewhere, portable
-loops give the same bytes.
+groups of 16, 32 or 64 values run as vector code with in-register tables; with AVX2 (BMI2,
+F16C) but not AVX-512, full groups of a multiple of 8 values (``csrc/dynamiq_avx2.h``);
+elsewhere, portable loops give the same bytes.
 
 **Dispatch** (:mod:`dynamiq.kernels`): ``backend="auto"`` runs these kernels on CPU tensors of
 at least :data:`MIN_NUMEL` values (unless ``DYNAMIQ_CPU_KERNELS=0``, :func:`set_cpu_kernels`

@@ -22,7 +22,7 @@
 //     the bf16 scale rounds those bits up to a multiple of 2^16, NaN gives 0xFFFF;
 //   * the widths come from integer arithmetic only: the smallest threshold tau in the
 //     reference's range whose cost fits the budget (a histogram of the span's group levels,
-//     its suffix sums, and a bisection: the cost never rises with tau), then the leftover
+//     its suffix sums, and a search: the cost never rises with tau), then the leftover
 //     bits to the groups whose next bit is worth tau - 1, in index order.
 //
 // Threads take whole spans (a span's widths depend on all of its scales), so the bytes do not
@@ -45,9 +45,9 @@
 #include "common.h"
 
 // AVX-512 (with BMI2's pdep/pext): the full groups of 16, 32 or 64 values run as vector code
-// with in-register tables (no gathers); everything else, and other machines, run the
-// portable loops below (the same results: tests/kernels/test_cpu_native_dynamiq.py builds and
-// checks both).
+// with in-register tables (no gathers); AVX2 without AVX-512: full groups of a multiple of 8
+// values (dynamiq_avx2.h); everything else, and other machines, run the portable loops below
+// (the same results: tests/kernels/test_cpu_native_dynamiq.py builds and checks both).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
     defined(__AVX512VL__) && defined(__BMI2__) && !defined(DQ_PORTABLE)
 #define DQ_VECTOR 1
