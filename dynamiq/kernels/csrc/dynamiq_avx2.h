@@ -70,7 +70,8 @@ inline uint64_t bytes_of(__m256i v) {
                                         -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                         -1, -1);
   const __m256i bytes = _mm256_shuffle_epi8(v, pick);  // 4 bytes at the start of each half
-  const __m256i both = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+  const __m256i low2 = _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1);  // those two dwords first
+  const __m256i both = _mm256_permutevar8x32_epi32(bytes, low2);
   return (uint64_t)_mm_cvtsi128_si64(_mm256_castsi256_si128(both));
 }
 
