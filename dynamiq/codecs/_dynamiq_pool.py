@@ -51,6 +51,9 @@ RECUT_SLACK = 0.1
 #: each rank measures its demand at this many bits/value below the codec's ``bits``: the
 #: partial sums concentrate the budget more than one rank's gradient does (docs/benchmarks.md)
 DEMAND_OFFSET = 2.0
+#: buffers of at least this many values take their group absmax from the native CPU kernel
+_NATIVE_MIN = 1 << 16
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _dtype(codec: DynamiqCodec) -> torch.dtype:
@@ -81,8 +84,9 @@ def _span_lengths(codec: DynamiqCodec, regions: list[tuple[int, int]]) -> torch.
     out = []
     for a, b in regions:
         full, rest = divmod(b - a, codec.span)
-        out += [codec.span] * full + ([rest] if rest else [])
-    return torch.tensor(out, dtype=torch.int64)
+        out += [torch.full((full,), codec.span, dtype=torch.int64)]
+        out += [torch.tensor([rest], dtype=torch.int64)] if rest else []
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
 
 
 def _finite_absmax(v: torch.Tensor, g: int) -> torch.Tensor:
@@ -90,6 +94,11 @@ def _finite_absmax(v: torch.Tensor, g: int) -> torch.Tensor:
     one read of the values (``aminmax``); only groups holding NaN or ±Inf are read again."""
     if v.numel() == 0:
         return v.new_zeros(0, dtype=torch.float32)
+    if v.device.type == "cpu" and v.numel() >= _NATIVE_MIN and v.dtype in _NATIVE_DTYPES:
+        from dynamiq.kernels import cpu_native  # (the kernels import the codecs)
+
+        if cpu_native.cpu_kernels_enabled() and cpu_native.available():
+            return cpu_native.group_absmax(v.contiguous(), g)  # the same, one pass in C++
     rows = v.view(-1, g)
     lo, hi = torch.aminmax(rows, dim=1)
     a = torch.maximum(hi.float(), -lo.float())
@@ -134,17 +143,22 @@ def _demand(
     are not placed)."""
     from .dynamiq_codec import _PRIORITY, _priority_tables  # the codec imports this module
 
-    k = codec.scale_steps
+    k, g = codec.scale_steps, codec.group
     q = torch.tensor(_PRIORITY[k], device=a_g.device)
     live = (a_g > 0) & (sizes > 0)
-    level = torch.floor(k * torch.log2(torch.where(live, a_g, 1.0))).to(torch.int64)
     if not bool(live.any()):
         return torch.zeros(a_g.shape[0], dtype=torch.int64, device=a_g.device)
-    lo_l = int(level[live].min())
-    rel = torch.where(live, level - lo_l, 0)
-    nb = int(rel.max()) + 1
-    hist = torch.bincount(rel[live], weights=sizes[live].double(), minlength=nb + 1)
-    suf = hist.flip(0).cumsum(0).flip(0).to(torch.int64)  # suf[j]: elements with L >= lo + j
+
+    level = torch.floor(k * torch.log2(torch.where(live, a_g, 1.0))).to(torch.int32)
+    lo_l = int(torch.where(live, level, 1 << 30).min())
+    nb = int(torch.where(live, level, -(1 << 30)).max()) - lo_l + 1
+    # the histogram of the live groups' levels weighted by their sizes: g each, less what the
+    # few short groups (a region's last) lack
+    rel = torch.where(live, level - lo_l, nb + 1).reshape(-1)
+    hist = torch.bincount(rel, minlength=nb + 2)[: nb + 1] * g
+    short = torch.nonzero((live & (sizes < g)).reshape(-1)).reshape(-1)
+    hist.index_add_(0, rel[short].to(torch.int64), sizes.reshape(-1)[short] - g)
+    suf = hist.flip(0).cumsum(0).flip(0)  # suf[j]: elements with L >= lo + j
 
     def cost(tau: int) -> int:
         j = ((tau - q + 7) >> 3) - lo_l  # a group takes its bit w iff L >= ceil((tau - Q)/8)
@@ -413,7 +427,10 @@ def span_budgets(pool: Pool, bits: float, balance: float) -> torch.Tensor:
         torch.full((n_seg,), math.floor(mean * balance), dtype=torch.int64),
         _segment_sum(lens, seg, n_seg),
     )
-    out = _distribute(demand, lens, seg, _region_totals(pooled, uniform, cap))
+    totals = _region_totals(pooled, uniform, cap)
+    # one region holding the whole buffer's bytes: the same sharing as the whole buffer's
+    same = n_seg == 1 and torch.equal(totals, uniform.sum().view(1))
+    out = whole if same else _distribute(demand, lens, seg, totals)
     pool.budgets[bits] = out
     return out
 

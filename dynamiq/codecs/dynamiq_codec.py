@@ -395,18 +395,28 @@ class DynamiqCodec(Codec):
             out[-1] = self._budget(rest, ctx)
         return out
 
-    def _span_offsets(self, numel: int, budgets: torch.Tensor) -> list[int]:
-        """Byte offset of each span's payload, and the total (``len(budgets) + 1`` ints)."""
+    def _span_sizes(self, numel: int, budgets: torch.Tensor) -> torch.Tensor:
+        """Bytes of each span's payload (int64, CPU) for its budget (bits)."""
         rest = numel % self.span
         sizes = (budgets + 7) // 8 + sum(self._header_bytes(self.span))
         if rest:
             sizes[-1] += sum(self._header_bytes(rest)) - sum(self._header_bytes(self.span))
-        return [0, *torch.cumsum(sizes, 0).tolist()]
+        return sizes
+
+    def _span_offset_tensor(self, numel: int, budgets: torch.Tensor) -> torch.Tensor:
+        """Byte offset of each span's payload (int64, CPU; ``len(budgets)``, the total not
+        included): what the kernels take."""
+        sizes = self._span_sizes(numel, budgets)
+        return torch.cumsum(sizes, 0) - sizes
+
+    def _span_offsets(self, numel: int, budgets: torch.Tensor) -> list[int]:
+        """Byte offset of each span's payload, and the total (``len(budgets) + 1`` ints)."""
+        return [0, *torch.cumsum(self._span_sizes(numel, budgets), 0).tolist()]
 
     def encoded_nbytes(self, numel: int, ctx: HopContext | None = None) -> int:
         pooled = self._pooled_bytes(numel, ctx)
         if pooled is not None:
-            return self._span_offsets(numel, pooled * 8)[-1]
+            return int(self._span_sizes(numel, pooled * 8).sum())
         full, rest = divmod(numel, self.span)
         return full * self._span_bytes(self.span, ctx) + (
             self._span_bytes(rest, ctx) if rest else 0

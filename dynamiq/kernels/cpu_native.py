@@ -36,8 +36,9 @@ directory and its ancestors must be owned by this user or root and writable by n
 checked before ``dlopen``, and a damaged file is rebuilt. Without a compiler, or if the
 build fails, one :class:`CPUKernelsUnavailableWarning` says why and the codecs run on their
 PyTorch reference, as before. On a CPU with AVX-512 (and BMI2), the DynamiQ kernel's full
-groups of 16, 32 or 64 values run as vector code with in-register tables; elsewhere, portable
-loops give the same bytes.
+groups of 16, 32 or 64 values run as vector code with in-register tables; with AVX2 (BMI2,
+F16C) but not AVX-512, full groups of a multiple of 8 values (``csrc/dynamiq_avx2.h``);
+elsewhere, portable loops give the same bytes.
 
 **Dispatch** (:mod:`dynamiq.kernels`): ``backend="auto"`` runs these kernels on CPU tensors of
 at least :data:`MIN_NUMEL` values (unless ``DYNAMIQ_CPU_KERNELS=0``, :func:`set_cpu_kernels`
@@ -102,7 +103,7 @@ SOURCES = (
     _CSRC / "passthrough_kernels.cpp",
 )
 #: what they include
-HEADERS = (_CSRC / "common.h",)
+HEADERS = (_CSRC / "common.h", _CSRC / "dynamiq_avx2.h")
 #: no -ffast-math (IEEE division, subnormals kept), no FMA contraction: bit-exactness
 FLAGS = (
     "-O3",
@@ -117,7 +118,7 @@ _LINK = ("-pthread",)
 #: ``DYNAMIQ_CPU_SANITIZE=address``: a debugging build under AddressSanitizer (its own cache
 #: entry); the process must preload the compiler's libasan: ``make sanitize`` does both
 _SANITIZE = {"address": ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address")}
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 
 
 class CPUKernelsUnavailableWarning(RuntimeWarning):
@@ -386,6 +387,11 @@ def _open() -> ctypes.CDLL:
     lib.dq_dyn_run.restype = ctypes.c_int
     lib.dq_pt_run.argtypes = [ctypes.POINTER(_PTArgs)]
     lib.dq_pt_run.restype = ctypes.c_int
+    lib.dq_dyn_group_absmax.argtypes = [
+        ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+        ctypes.c_int32,
+    ]  # fmt: skip
+    lib.dq_dyn_group_absmax.restype = ctypes.c_int
     return lib
 
 
@@ -595,7 +601,7 @@ def _pooled_args(
             ptrs[f"budget_{side}_of"] = ptrs[f"offset_{side}_of"] = None
             continue
         bits = (pooled * 8).contiguous()
-        offs = torch.tensor(codec._span_offsets(n, bits)[:-1], dtype=torch.int64)
+        offs = codec._span_offset_tensor(n, bits).contiguous()
         keep += [bits, offs]
         ptrs[f"budget_{side}_of"], ptrs[f"offset_{side}_of"] = bits.data_ptr(), offs.data_ptr()
     return ptrs, keep
@@ -687,6 +693,25 @@ def _f32_bits(x: float) -> int:
 def _check_status(status: int) -> None:
     if status != 0:
         raise MemoryError("the native CPU kernel could not allocate its buffers or threads")
+
+
+def group_absmax(x: torch.Tensor, group: int) -> torch.Tensor:
+    """The largest finite ``|x|`` of each group of ``group`` values of ``x`` (a contiguous 1-D
+    CPU tensor of fp32, bf16 or fp16 whose length is a multiple of ``group``), as fp32: NaN
+    and ±Inf count as 0 (the pooled DynamiQ codec's prologue statistics,
+    ``_dynamiq_pool._finite_absmax``)."""
+    _check_device(x)
+    _check_values("x", x)
+    n = x.numel()
+    if group < 1 or n % group:
+        raise ValueError(f"{n} values are not whole groups of {group}")
+    out = torch.empty(n // group, dtype=torch.float32)
+    if n:
+        status = _load().dq_dyn_group_absmax(
+            x.data_ptr(), _KIND[x.dtype], n, group, out.data_ptr(), _threads(n)
+        )
+        _check_status(status)
+    return out
 
 
 def encode(codec: Codec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:

@@ -774,7 +774,7 @@ def _pool_table(
     if pooled is None:
         return None
     bits = pooled * 8
-    offs = torch.tensor(codec._span_offsets(numel, bits)[:-1], dtype=torch.int64)
+    offs = codec._span_offset_tensor(numel, bits)
     return torch.stack([bits, offs], dim=1).contiguous().to(device)
 
 

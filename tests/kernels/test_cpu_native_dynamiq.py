@@ -19,6 +19,7 @@ contexts.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -517,3 +518,66 @@ def test_bad_input_errors() -> None:
 
     with pytest.raises(NotImplementedError, match="no native CPU kernel for encode"):
         K.encode(MyDynamiq(), torch.zeros(cpu_native.MIN_NUMEL), backend="cpu")
+
+
+# -- the pooled codec's prologue: group absmax -------------------------------------------------
+
+
+def _finite_absmax_fp64(x: torch.Tensor, group: int) -> torch.Tensor:
+    a = x.double().abs()
+    return torch.where(torch.isfinite(a), a, 0.0).view(-1, group).amax(dim=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [16, 3, 256])
+def test_group_absmax_finite_values_only(dtype: torch.dtype, group: int) -> None:
+    """``cpu_native.group_absmax`` against fp64 maxima of the finite magnitudes: NaN, ±Inf,
+    -0, subnormals, each format's largest finite value, groups of zeros and of specials only."""
+    n = group * 900
+    x = random_values(n, 5).to(dtype)
+    info = torch.finfo(dtype)
+    specials = torch.tensor(
+        [math.nan, math.inf, -math.inf, -0.0, info.tiny / 4, -info.max, info.max, -math.nan]
+    ).to(dtype)
+    g = torch.Generator().manual_seed(9)
+    at = torch.randint(0, n, (400,), generator=g)
+    x[at] = specials[torch.arange(400) % specials.numel()]
+    x[:group] = 0.0  # a group of zeros
+    x[group : 2 * group] = specials[:3].repeat(group)[:group]  # a group of NaN/±Inf only
+    got = cpu_native.group_absmax(x, group)
+    assert got.dtype == torch.float32
+    want = _finite_absmax_fp64(x, group)
+    assert torch.equal(got.double(), want)
+    assert float(got[0]) == 0.0 and float(got[1]) == 0.0
+
+
+def test_group_absmax_bad_input() -> None:
+    with pytest.raises(ValueError, match="not whole groups of 16"):
+        cpu_native.group_absmax(torch.ones(40), 16)
+    with pytest.raises(TypeError, match="take x as float32"):
+        cpu_native.group_absmax(torch.ones(32, dtype=torch.float64), 16)
+
+
+def test_prologue_statistics_native_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prologue's statistics of a large buffer (its group absmax from the native kernel)
+    equal those with the native kernels switched off (PyTorch), NaN and ±Inf included."""
+    from dynamiq.codecs import _dynamiq_pool as pool
+
+    codec = dq()
+    n = 3 * (1 << 16) + 77
+    x = random_values(n, 8) * torch.exp2(torch.randint(-20, 20, (n,)).float())
+    x[[5, 70000, n - 1]] = torch.tensor([math.nan, math.inf, -math.inf])
+    regions = pool.regions_of(codec, n, [(0, 70000), (70000, n)])
+    calls: list[int] = []
+    real = cpu_native.group_absmax
+    monkeypatch.setattr(cpu_native, "group_absmax", lambda v, g: calls.append(1) or real(v, g))
+    native = pool.span_statistics(codec, x, 1, regions)
+    ran = len(calls)
+    assert ran  # the native kernel ran
+    cpu_native.set_cpu_kernels(False)
+    try:
+        plain = pool.span_statistics(codec, x, 1, regions)
+    finally:
+        cpu_native.set_cpu_kernels(None)
+    assert len(calls) == ran  # and now it did not
+    assert torch.equal(native, plain)

@@ -746,7 +746,7 @@ int dq_mx_run(dq_mx_args* a) {
 }
 
 // The layout version of the argument structures (dq_int_args, dq_mx_args and dynamiq_kernels.cpp's
-// dq_dyn_args), checked when the library loads.
-int dq_abi_version(void) { return 4; }
+// dq_dyn_args) and of the functions' signatures, checked when the library loads.
+int dq_abi_version(void) { return 5; }
 
 }  // extern "C"

@@ -22,7 +22,7 @@
 //     the bf16 scale rounds those bits up to a multiple of 2^16, NaN gives 0xFFFF;
 //   * the widths come from integer arithmetic only: the smallest threshold tau in the
 //     reference's range whose cost fits the budget (a histogram of the span's group levels,
-//     its suffix sums, and a bisection: the cost never rises with tau), then the leftover
+//     its suffix sums, and a search: the cost never rises with tau), then the leftover
 //     bits to the groups whose next bit is worth tau - 1, in index order.
 //
 // Threads take whole spans (a span's widths depend on all of its scales), so the bytes do not
@@ -45,13 +45,15 @@
 #include "common.h"
 
 // AVX-512 (with BMI2's pdep/pext): the full groups of 16, 32 or 64 values run as vector code
-// with in-register tables (no gathers); everything else, and other machines, run the
-// portable loops below (the same results: tests/kernels/test_cpu_native_dynamiq.py builds and
-// checks both).
+// with in-register tables (no gathers); AVX2 without AVX-512: full groups of a multiple of 8
+// values (dynamiq_avx2.h); everything else, and other machines, run the portable loops below
+// (the same results: tests/kernels/test_cpu_native_dynamiq.py builds and checks both).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
     defined(__AVX512VL__) && defined(__BMI2__) && !defined(DQ_PORTABLE)
 #define DQ_VECTOR 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__BMI2__) && defined(__F16C__) && !defined(DQ_PORTABLE)
+#define DQ_AVX2 1  // the same with 8 lanes (dynamiq_avx2.h)
 #endif
 
 namespace {
@@ -81,6 +83,10 @@ struct DynJob {
   const float* eyt;   // [9 * 256] each width's rounding keys as a search tree (vector code)
   const float* eyt5;  // [9 * 32] widths 1..5: the same padded with +inf to 5 levels
   int32_t q[MAX_W], q_lo, q_hi;  // the priorities Q[w], their range
+  // by d = tau - 8 L - q_lo clamped to [0, d_max]: the width of a group of level L at
+  // threshold tau (how many Q[w] >= tau - 8 L) and whether its next bit is worth tau - 1
+  int32_t d_max, pad;  // pad: how far the widths' cost looks past the levels (in levels)
+  uint8_t w_of_d[256], r_of_d[256];
   float steps[E_MAX + 1], powers[E_MAX + 1];
   const void* x;
   const uint8_t* in;
@@ -127,9 +133,8 @@ struct Scratch {
   std::vector<int32_t> sgl;      // super-group levels k floor(log2 S) (DEAD: no bits)
   std::vector<uint8_t> emin, emax;  // the range of the group codes of each super-group
   std::vector<uint8_t> rise;     // groups whose next bit is worth tau - 1
-  std::vector<uint8_t> wtab;     // width and rise of each level of a span
   std::vector<float> S, s;       // super-group scales, group scales
-  std::vector<int64_t> hist;     // level histogram (suffix sums)
+  std::vector<int32_t> hist;     // level histogram (suffix sums), padded (widths)
   std::vector<uint8_t> body;     // the span's packed codes (with slack)
   std::vector<uint32_t> codes;   // one group's codes
   std::vector<float> u;          // one group's dither
@@ -148,10 +153,9 @@ struct Scratch {
       emin.resize((size_t)G.n_sg);
       emax.resize((size_t)G.n_sg);
       rise.resize((size_t)G.n_gp);
-      wtab.resize((size_t)(2 * (j.k * 300 + 64)));
       S.resize((size_t)G.n_sg);
       s.resize((size_t)G.n_gp);
-      hist.resize((size_t)(j.k * 300 + 64));  // any range of levels
+      hist.resize((size_t)(j.k * 300 + 64 + 2 * j.pad));  // any range of levels
       body.resize((size_t)(max_body + j.g + 16));
       codes.resize((size_t)j.g + 8);
       u.resize((size_t)j.g);
@@ -161,6 +165,10 @@ struct Scratch {
     return true;
   }
 };
+
+#ifdef DQ_AVX2
+#include "dynamiq_avx2.h"
+#endif
 
 // -- widths -----------------------------------------------------------------------------------
 
@@ -205,64 +213,63 @@ void widths(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
     }
     return;
   }
-  // suffix sums of the live groups' sizes by level: suf[i] = elements with L >= lmin + i
-  // (suf[nb] = 0); per super-group, the groups of each code counted by comparisons
-  const int32_t nb = lmax - lmin + 1, stride = nb + 1;
+  // suffix sums of the live groups' sizes by level: suf[i] = elements with L >= lmin + i,
+  // for i in [-pad, nb + pad] (suf[i] = suf[0] below 0, 0 from nb on): every index the cost
+  // below takes, so it needs no clamps
+  const int32_t nb = lmax - lmin + 1, pad = j.pad, stride = nb + 2 * pad + 1;
   if ((size_t)stride > sc.hist.size()) sc.hist.resize((size_t)stride);
-  if ((size_t)(2 * stride) > sc.wtab.size()) sc.wtab.resize((size_t)(2 * stride));
-  int64_t* suf = sc.hist.data();
-  std::fill(suf, suf + stride, 0);
+  int32_t* const suf = sc.hist.data() + pad;
+  std::fill(suf - pad, suf + nb + pad + 1, 0);
   for (int64_t sgi = 0; sgi < G.n_sg; sgi++) {
     if (sgl[sgi] == DEAD) continue;
     const int64_t g0 = sgi * per, g1 = std::min(g0 + per, n_g);
-    for (uint32_t v = emin[sgi]; v <= emax[sgi]; v++) {
-      int32_t cnt = 0;
-      for (int64_t gi = g0; gi < g1; gi++) cnt += e[gi] == v ? 1 : 0;
-      suf[sgl[sgi] - (int32_t)v - lmin] += cnt * g;
-    }
+    int32_t* const at = suf + (sgl[sgi] - lmin);  // at[-e]: the bin of code e
+    for (int64_t gi = g0; gi < g1; gi++) at[-(int32_t)e[gi]] += (int32_t)g;
   }
   const int64_t last_sg = (n_g - 1) / per;
-  if (sgl[last_sg] != DEAD) suf[sgl[last_sg] - e[n_g - 1] - lmin] -= g - G.last;  // short
+  if (sgl[last_sg] != DEAD) suf[sgl[last_sg] - e[n_g - 1] - lmin] -= (int32_t)(g - G.last);
   for (int32_t i = nb - 1; i >= 0; i--) suf[i] += suf[i + 1];
+  for (int32_t i = -pad; i < 0; i++) suf[i] = suf[0];
   // cost(t): the bits taken at threshold t; a group of level L takes its bit w iff
-  // 8 L + Q[w] >= t, i.e. L >= ceil((t - Q[w]) / 8)
+  // 8 L + Q[w] >= t, i.e. L >= ceil((t - Q[w]) / 8) = lmin + ((t + 7 - Q[w] - 8 lmin) >> 3)
+  int64_t c7[MAX_W];
+  for (int ww = 0; ww < MAX_W; ww++) c7[ww] = 7 - (int64_t)j.q[ww] - 8 * (int64_t)lmin;
   auto cost = [&](int64_t t) {
     int64_t c = 0;
-    for (int ww = 0; ww < MAX_W; ww++) {
-      int64_t i = ((t - j.q[ww] + 7) >> 3) - lmin;
-      c += suf[std::min<int64_t>(std::max<int64_t>(i, 0), nb)];
-    }
+    for (int ww = 0; ww < MAX_W; ww++) c += suf[(t + c7[ww]) >> 3];
     return c;
   };
   // the smallest tau in [lo, hi] with cost(tau) <= budget (cost(hi) = 0; cost never rises)
+  // (three independent costs a step while the range is long: a quarter of it is left)
   int64_t lo = 8 * (int64_t)lmin + j.q_lo, hi = 8 * (int64_t)lmax + j.q_hi + 1;
+  while (hi - lo >= 4) {
+    const int64_t q = (hi - lo) >> 2, m1 = lo + q, m2 = lo + 2 * q, m3 = lo + 3 * q;
+    const bool f1 = cost(m1) <= budget, f2 = cost(m2) <= budget, f3 = cost(m3) <= budget;
+    // the first that fits bounds tau above; the last that does not, below
+    hi = f1 ? m1 : f2 ? m2 : f3 ? m3 : hi;
+    lo = f1 ? lo : f2 ? m1 + 1 : f3 ? m2 + 1 : m3 + 1;
+  }
   while (lo < hi) {
     const int64_t mid = (lo + hi) >> 1;  // floor
-    if (cost(mid) <= budget) hi = mid;
-    else lo = mid + 1;
+    const bool fits = cost(mid) <= budget;
+    hi = fits ? mid : hi;
+    lo = fits ? lo : mid + 1;
   }
   const int64_t tau = lo;
-  // per level L in [lmin, lmax]: the width (how many Q[w] >= tau - 8 L) and whether the
-  // next bit is worth tau - 1 (8 L + Q[w] == tau - 1, w < 8)
-  uint8_t* __restrict wtab = sc.wtab.data();
-  uint8_t* __restrict rtab = wtab + stride;
-  for (int32_t i = 0; i < nb; i++) {
-    const int64_t p0 = 8 * (int64_t)(lmin + i);
-    int cnt = 0;
-    for (int ww = 0; ww < MAX_W; ww++) cnt += p0 + j.q[ww] >= tau ? 1 : 0;
-    wtab[i] = (uint8_t)cnt;
-    rtab[i] = cnt < MAX_W && p0 + j.q[cnt] == tau - 1 ? 1 : 0;
-  }
-  // the groups' widths and rising flags, by their codes (a 16-entry table per super-group)
+  // the groups' widths (how many Q[w] >= tau - 8 L) and whether their next bit is worth
+  // tau - 1, from the job's tables by d = tau - 8 L - min Q, through a 16-entry table of
+  // each super-group by code (L = L0 - e)
   uint8_t* __restrict rise = sc.rise.data();
   int32_t sum = 0;
   for (int64_t sgi = 0; sgi < G.n_sg; sgi++) {
     const int64_t g0 = sgi * per, g1 = std::min(g0 + per, n_g);
-    uint8_t wsg[E_MAX + 1] = {0}, rsg[E_MAX + 1] = {0};
+    alignas(16) uint8_t wsg[E_MAX + 1] = {0}, rsg[E_MAX + 1] = {0};
     if (sgl[sgi] != DEAD) {
+      const int64_t d0 = tau - 8 * (int64_t)sgl[sgi] - j.q_lo;
       for (uint32_t v = emin[sgi]; v <= emax[sgi]; v++) {
-        wsg[v] = wtab[sgl[sgi] - (int32_t)v - lmin];
-        rsg[v] = rtab[sgl[sgi] - (int32_t)v - lmin];
+        const int64_t d = std::min<int64_t>(std::max<int64_t>(d0 + 8 * (int64_t)v, 0), j.d_max);
+        wsg[v] = j.w_of_d[d];
+        rsg[v] = j.r_of_d[d];
       }
     }
     int64_t gi = g0;
@@ -279,6 +286,19 @@ void widths(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
         acc = _mm512_add_epi64(acc, _mm512_sad_epu8(wv, _mm512_setzero_si512()));
       }
       sum += (int32_t)_mm512_reduce_add_epi64(acc);
+    }
+#elif defined(DQ_AVX2)
+    {  // 16 groups at a time: byte shuffles of the 16-entry tables
+      const __m128i tw = _mm_load_si128((const __m128i*)wsg);
+      const __m128i tr = _mm_load_si128((const __m128i*)rsg);
+      for (; gi + 16 <= g1; gi += 16) {
+        const __m128i idx = _mm_loadu_si128((const __m128i*)(e + gi));
+        const __m128i wv = _mm_shuffle_epi8(tw, idx);
+        _mm_storeu_si128((__m128i*)(w + gi), wv);
+        _mm_storeu_si128((__m128i*)(rise + gi), _mm_shuffle_epi8(tr, idx));
+        const __m128i s2 = _mm_sad_epu8(wv, _mm_setzero_si128());
+        sum += _mm_cvtsi128_si32(s2) + _mm_extract_epi16(s2, 4);
+      }
     }
 #endif
     for (; gi < g1; gi++) {
@@ -344,11 +364,16 @@ void scale_codes(const DynJob& j, const Geo& G, uint8_t* hdr, Scratch& sc) {
     // e: the largest code whose scale is still >= the group absmax (0 if none: NaN); a
     // group of zeros: 15. With falling candidates, the count of the codes 1..15 that fit.
     if (falls) {
-      for (int64_t gi = 0; gi < per; gi++) {
+      int64_t gi = 0;
+#ifdef DQ_AVX2
+      gi = scale_codes_avx2(cand, gm, per, e, s);
+#endif
+      for (; gi < per; gi++) {
         const float a = u2f(gm[gi]);
         int32_t c = 0;
         for (int ee = 1; ee <= E_MAX; ee++) c += cand[ee] >= a ? 1 : 0;
         e[gi] = (uint8_t)(gm[gi] == 0 ? E_MAX : c);
+        s[gi] = cand[e[gi]];
       }
     } else {
       for (int64_t gi = 0; gi < per; gi++) {
@@ -356,13 +381,16 @@ void scale_codes(const DynJob& j, const Geo& G, uint8_t* hdr, Scratch& sc) {
         int best = 0;
         for (int ee = 0; ee <= E_MAX; ee++) best = cand[ee] >= a ? ee : best;
         e[gi] = (uint8_t)(gm[gi] == 0 ? E_MAX : best);
+        s[gi] = cand[e[gi]];
       }
     }
-    for (int64_t gi = 0; gi < per; gi++) s[gi] = cand[e[gi]];
   }
+  // the codes, two to a byte (the first in the low nibble)
   uint8_t* eb = hdr + G.sb;
-  std::memset(eb, 0, (size_t)G.eb);
-  for (int64_t gi = 0; gi < G.n_g; gi++) eb[gi >> 1] |= (uint8_t)(sc.e[gi] << (4 * (gi & 1)));
+  const uint8_t* e = sc.e.data();
+  const int64_t pairs = G.n_g >> 1;
+  for (int64_t i = 0; i < pairs; i++) eb[i] = (uint8_t)(e[2 * i] | e[2 * i + 1] << 4);
+  if (G.n_g & 1) eb[pairs] = e[G.n_g - 1];
 }
 
 // -- vector code (AVX-512) ------------------------------------------------------------------
@@ -555,7 +583,12 @@ void read_header(const DynJob& j, const Geo& G, const uint8_t* p, int64_t budget
   }
   const uint8_t* eb = p + G.sb;
   uint8_t* __restrict e = sc.e.data();
-  for (int64_t gi = 0; gi < G.n_g; gi++) e[gi] = (eb[gi >> 1] >> (4 * (gi & 1))) & 15;
+  const int64_t pairs = G.n_g >> 1;
+  for (int64_t i = 0; i < pairs; i++) {
+    e[2 * i] = eb[i] & 15;
+    e[2 * i + 1] = eb[i] >> 4;
+  }
+  if (G.n_g & 1) e[G.n_g - 1] = eb[pairs] & 15;
   for (int64_t gi = G.n_g; gi < G.n_gp; gi++) e[gi] = E_MAX;
   widths(j, G, budget, sc);
 }
@@ -646,9 +679,14 @@ void decode_span(const DynJob& j, const Geo& G_, const uint8_t* p, int64_t budge
   uint32_t* c = sc.codes.data();
   const int es = KIND == 0 ? 4 : 2;  // bytes per local value
   int64_t bit = 0;
+  int64_t sgi = 0, sg_end = j.per_sg;  // the super-group of group gi, and its end
   for (int64_t gi = 0; gi < Gm.n_g; gi++) {
     const int wv = sc.w[gi];
-    const float s = group_scale(j, sc.S[gi / j.per_sg], sc.e[gi]);
+    if (gi == sg_end) {
+      sgi++;
+      sg_end += j.per_sg;
+    }
+    const float s = group_scale(j, sc.S[sgi], sc.e[gi]);
     const int64_t cnt = gi == Gm.n_g - 1 ? Gm.last : g;
     const void* loc = ADD ? (const void*)((const uint8_t*)local + gi * g * es) : nullptr;
     float* d = dst + gi * g;
@@ -659,6 +697,16 @@ void decode_span(const DynJob& j, const Geo& G_, const uint8_t* p, int64_t budge
       const int64_t b0 = bit >> 3;
       if (cnt == G && b0 + 2 * wv * (G / 16 - 1) + wv + 8 <= nbytes) {  // 8 bytes readable
         m = decode_group<G, KIND, ADD>(j, wv, body + b0, s, loc, d);
+        if (ADD) sc.gmax[gi] = m;
+        bit += wv * G;
+        continue;
+      }
+    }
+#elif defined(DQ_AVX2)
+    if constexpr (G > 0 && G % 8 == 0) {
+      const int64_t b0 = bit >> 3;
+      if (cnt == G && b0 + wv * (G / 8 - 1) + 8 <= nbytes) {  // 8 bytes readable
+        m = decode_group_avx2<G, KIND, ADD>(j, wv, body + b0, s, loc, d);
         if (ADD) sc.gmax[gi] = m;
         bit += wv * G;
         continue;
@@ -797,6 +845,14 @@ void encode_span(const DynJob& j, const Geo& Gm, int64_t si, int64_t budget, con
         continue;
       }
     }
+#elif defined(DQ_AVX2)
+    if constexpr (G > 0 && G % 8 == 0) {
+      if (cnt == G && j.rounding == ROUND_NEAREST) {
+        encode_group_avx2<G>(j, wv, x, sc.s[gi], body + (bit >> 3));
+        bit += wv * G;
+        continue;
+      }
+    }
 #endif
     if (G > 0 && cnt == G) {
       quantize<G>(j, x, cnt, sc.s[gi], wv, ix, u, c);
@@ -902,9 +958,47 @@ bool run_spans_kind(const DynJob& j, int64_t s0, int64_t s1) {
   }
 }
 
+// the largest finite |x| (magnitude bits; NaN and ±Inf count as 0) of each group [g0, g1) of
+// G (> 0) or g values
+template <int G, int KIND>
+void finite_absmax(const void* x, int64_t g_, int64_t g0, int64_t g1, float* out) {
+  const int64_t g = G > 0 ? G : g_;
+  for (int64_t gi = g0; gi < g1; gi++) {
+    uint32_t m = 0;
+    for (int64_t i = 0; i < g; i++) {
+      const uint32_t a = f2u(load_value<KIND>(x, gi * g + i)) & 0x7FFFFFFFu;
+      m = std::max(m, a < 0x7F800000u ? a : 0u);
+    }
+    out[gi] = u2f(m);
+  }
+}
+
+template <int KIND>
+void finite_absmax_kind(const void* x, int64_t g, int64_t g0, int64_t g1, float* out) {
+  if (g == 16) finite_absmax<16, KIND>(x, g, g0, g1, out);
+  else finite_absmax<0, KIND>(x, g, g0, g1, out);
+}
+
 }  // namespace
 
 extern "C" {
+
+// The largest finite |x| of each of the n / g groups of g values of x (n a multiple of g; kind:
+// 0 fp32, 1 bf16, 2 fp16) into out, as fp32 (NaN and ±Inf count as 0): the pooled codec's
+// prologue statistics (_dynamiq_pool._finite_absmax). 0: done; 1: thread failure.
+int dq_dyn_group_absmax(const void* x, int32_t kind, int64_t n, int64_t g, float* out,
+                        int32_t nthreads) {
+  if (n <= 0 || g <= 0) return 0;
+  const int64_t groups = n / g, tile = 4096;
+  auto work = [&](int64_t t0, int64_t t1, int) -> bool {
+    const int64_t g0 = t0 * tile, g1 = std::min(groups, t1 * tile);
+    if (kind == 1) finite_absmax_kind<1>(x, g, g0, g1, out);
+    else if (kind == 2) finite_absmax_kind<2>(x, g, g0, g1, out);
+    else finite_absmax_kind<0>(x, g, g0, g1, out);
+    return true;
+  };
+  return parallel_tiles((groups + tile - 1) / tile, (int)std::max(1, nthreads), work) ? 0 : 1;
+}
 
 // Arguments of dq_dyn_run (mirrored by a ctypes.Structure in cpu_native.py).
 struct dq_dyn_args {
@@ -974,6 +1068,15 @@ int dq_dyn_run(dq_dyn_args* a) {
   for (int i = 0; i < MAX_W; i++) j.q[i] = (int32_t)a->q[i];
   j.q_lo = *std::min_element(j.q, j.q + MAX_W);
   j.q_hi = *std::max_element(j.q, j.q + MAX_W);
+  if (j.q_hi - j.q_lo + 2 > 255) return 1;  // (the tables of scale_steps <= 4 are smaller)
+  j.d_max = j.q_hi - j.q_lo + 2;
+  j.pad = ((j.q_hi - j.q_lo) >> 3) + 2;
+  for (int32_t d = 0; d <= j.d_max; d++) {
+    int cnt = 0;
+    for (int ww = 0; ww < MAX_W; ww++) cnt += j.q[ww] >= j.q_lo + d ? 1 : 0;
+    j.w_of_d[d] = (uint8_t)cnt;
+    j.r_of_d[d] = cnt < MAX_W && j.q[cnt] == j.q_lo + d - 1 ? 1 : 0;
+  }
   for (int i = 0; i <= E_MAX; i++) {
     j.steps[i] = a->steps[i];
     j.powers[i] = a->powers[i];
