@@ -35,6 +35,7 @@ from .profiles import load_profile
 from .strategies import (
     codec_configs,
     codec_inputs,
+    edge_battery,
     edge_tensors,
     finite_tensors,
     hop_contexts,
@@ -58,6 +59,7 @@ __all__ = [
     "check_unbiased",
     "codec_configs",
     "codec_inputs",
+    "edge_battery",
     "edge_tensors",
     "exact_sum",
     "finite_tensors",

@@ -3,8 +3,9 @@
 
 Tensors: :func:`finite_tensors` draws values spread over magnitudes; :func:`edge_tensors` aims
 where certified bounds slip: rounding ties of the element grids, scale boundaries, and
-subnormal powers of two (docs/reliability.md, "Bounds never violated"); :func:`codec_inputs`,
-what the conformance kit draws from, mixes both. Each takes a ``size`` (or a ``shape``) and the
+subnormal powers of two (docs/reliability.md, "Certified bounds never violated"), and
+:func:`edge_battery` is its fixed, deterministic twin; :func:`codec_inputs`, what the
+conformance kit draws from, mixes both strategies. Each takes a ``size`` (or a ``shape``) and the
 ``dtypes`` to draw from. All-reduce cases: :func:`tensor_lists` (one tensor per rank),
 :func:`schedules`, :func:`codec_configs` and :func:`hop_contexts`. All strategies live here;
 the Hypothesis profiles in :mod:`dynamiq.testing.profiles`.
@@ -26,6 +27,7 @@ __all__ = [
     "EDGE_EXPONENTS",
     "codec_configs",
     "codec_inputs",
+    "edge_battery",
     "edge_tensors",
     "finite_tensors",
     "hop_contexts",
@@ -241,6 +243,60 @@ def edge_tensors(
         x32 = np.where(moved, np.nextafter(x32, toward), x32).astype(np.float32)
         x32 = np.clip(x32, -max_abs, max_abs).astype(np.float32)
     return _shaped(_to_dtype(torch.from_numpy(x32.copy()), dtype, max_abs), shape)
+
+
+def _scaled(w: np.ndarray, e: int, limit: float) -> np.ndarray | None:
+    """``w`` times the power of two that puts its largest magnitude at ``2^e`` (fp32; None
+    when that leaves the codec's range)."""
+    peak = float(np.abs(w).max()) if w.size else 0.0
+    if peak == 0:
+        return None
+    x = np.ldexp(w, e - math.frexp(peak)[1] + 1)
+    if not np.isfinite(x).all() or float(np.abs(x).max()) > limit:
+        return None
+    return x.astype(np.float32)
+
+
+#: the exponents of the battery of partial blocks, and of every block past 4096 values: a
+#: sample of :data:`EDGE_EXPONENTS` (fp32's and fp16's subnormals and smallest normals,
+#: around 1, fp16's largest binade, the top of fp32)
+_FEW_EXPONENTS = (-149, -148, -147, -140, -133, -127, -126, -125, -24, -14, -1, 0, 15, 124, 127)
+
+
+def _variants(pattern: np.ndarray, exponents: tuple[int, ...], limit: float) -> list[np.ndarray]:
+    """``pattern`` moved to each exponent, and nudged one fp32 ulp out and in."""
+    out = []
+    for e in exponents:
+        x = _scaled(pattern, e, limit)
+        if x is None:
+            continue
+        up = np.nextafter(x, np.copysign(np.float32(np.inf), x)).astype(np.float32)
+        down = np.nextafter(x, np.float32(0)).astype(np.float32)
+        out += [v for v in (x, up, down) if np.isfinite(v).all() and np.abs(v).max() <= limit]
+    return out
+
+
+def edge_battery(codec: Codec) -> list[torch.Tensor]:
+    """Fixed fp32 inputs aimed where ``codec``'s bound is reached, the deterministic twin of
+    :func:`edge_tensors`: the bound's witness, and blocks of one value dwarfing the others
+    (``2^-1 .. 2^-41`` of it: they round to 0), each moved to every exponent of
+    :data:`EDGE_EXPONENTS` and nudged one fp32 ulp out and in; ``block_size`` values each,
+    all in one tensor (blocks are encoded apart: the kit checks that), then ``2·block + 3``
+    values each (a partial block) at a sample of the exponents."""
+    b = codec.block_size
+    limit = min(codec.max_input_abs, 3.0e38)
+    out = []
+    for n in sorted({b, min(2 * b + 3, 4096)} if b <= 4096 else {b}):
+        k = np.arange(n)
+        dwarfed = np.where(k % b == 0, 1.0, np.ldexp(1.0, -(k % 41) - 1))
+        dwarfed *= np.where(k % 3 == 0, -1.0, 1.0)
+        exps = EDGE_EXPONENTS if n == b and b <= 4096 else _FEW_EXPONENTS
+        witness = codec.error_bound.witness(n).double().numpy()
+        xs = _variants(witness, exps, limit) + _variants(dwarfed, exps, limit)
+        if n == b and xs:
+            xs = [np.concatenate(xs)]
+        out += [torch.from_numpy(x.copy()) for x in xs]
+    return out
 
 
 def _to_dtype(x: torch.Tensor, dtype: torch.dtype, max_abs: float) -> torch.Tensor:
