@@ -291,38 +291,10 @@ def _share(fraction: int) -> int:
     return max(1, (current.max_examples if current else 100) // fraction)
 
 
-def run_conformance(
-    codec: Codec | str, fixtures_dir: str | Path | None = None, *, allreduce: bool = True
-) -> None:
-    """Every check of the kit on one codec, under the Hypothesis settings in force (the
-    caller's profile; a quarter of its examples for block locality and, with ``allreduce``,
-    a tenth for the multi-hop bound through the engine)."""
-    codec = get_codec(codec)
-    check_encoded_nbytes(codec)
-    check_config(codec)
-    check_bad_input(codec)
-    check_nonfinite(codec)
-    check_bound_tight(codec)
-    check_bound_edges(codec)
-    check_block_locality(codec, golden_input(codec.block_size))
-    if codec.error_bound.unbiased and codec.error_bound.var is not None:
-        check_unbiased(codec)
-    if fixtures_dir is not None:
-        check_golden(codec, fixtures_dir)
+def _engine_properties(codec: Codec, allreduce: bool) -> None:
+    """Block locality on drawn inputs, contexts and cuts, and (``allreduce``) the multi-hop
+    bound over drawn per-rank tensors and schedules, at reduced example counts."""
     b = codec.block_size
-
-    @given(x=codec_inputs(codec), ctx=st.one_of(st.none(), hop_contexts()))
-    def roundtrip_and_bound(x: torch.Tensor, ctx: HopContext | None) -> None:
-        check_roundtrip(codec, x, ctx)
-        check_bound_sound(codec, x, ctx)
-
-    @given(data=st.data(), ctx=hop_contexts(), out_ctx=st.one_of(st.none(), hop_contexts()))
-    def reduce_matches(data: st.DataObject, ctx: HopContext, out_ctx: HopContext | None) -> None:
-        half = codec.max_input_abs / 4  # decoded partial + local stays within the limit
-        partial = data.draw(codec_inputs(codec, max_abs=half))
-        local = data.draw(codec_inputs(codec, max_abs=half))
-        n = min(partial.numel(), local.numel())
-        check_reduce(codec, partial[:n].contiguous(), local[:n].contiguous(), ctx, out_ctx)
 
     @settings(parent=settings.default, max_examples=_share(4))
     @given(
@@ -348,8 +320,43 @@ def run_conformance(
         sched = data.draw(schedules(len(xs)), label="schedule")
         check_allreduce_bound(xs, codec, sched, seed=seed, sub_chunks=(b,))
 
-    roundtrip_and_bound()
-    reduce_matches()
     block_local()
     if allreduce:
         allreduce_bound()
+
+
+def run_conformance(
+    codec: Codec | str, fixtures_dir: str | Path | None = None, *, allreduce: bool = True
+) -> None:
+    """Every check of the kit on one codec, under the Hypothesis settings in force (the
+    caller's profile; a quarter of its examples for block locality and, with ``allreduce``,
+    a tenth for the multi-hop bound through the engine)."""
+    codec = get_codec(codec)
+    check_encoded_nbytes(codec)
+    check_config(codec)
+    check_bad_input(codec)
+    check_nonfinite(codec)
+    check_bound_tight(codec)
+    check_bound_edges(codec)
+    check_block_locality(codec, golden_input(codec.block_size))
+    if codec.error_bound.unbiased and codec.error_bound.var is not None:
+        check_unbiased(codec)
+    if fixtures_dir is not None:
+        check_golden(codec, fixtures_dir)
+
+    @given(x=codec_inputs(codec), ctx=st.one_of(st.none(), hop_contexts()))
+    def roundtrip_and_bound(x: torch.Tensor, ctx: HopContext | None) -> None:
+        check_roundtrip(codec, x, ctx)
+        check_bound_sound(codec, x, ctx)
+
+    @given(data=st.data(), ctx=hop_contexts(), out_ctx=st.one_of(st.none(), hop_contexts()))
+    def reduce_matches(data: st.DataObject, ctx: HopContext, out_ctx: HopContext | None) -> None:
+        half = codec.max_input_abs / 4  # decoded partial + local stays within the limit
+        partial = data.draw(codec_inputs(codec, max_abs=half))
+        local = data.draw(codec_inputs(codec, max_abs=half))
+        n = min(partial.numel(), local.numel())
+        check_reduce(codec, partial[:n].contiguous(), local[:n].contiguous(), ctx, out_ctx)
+
+    roundtrip_and_bound()
+    reduce_matches()
+    _engine_properties(codec, allreduce)
