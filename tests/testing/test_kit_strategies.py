@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from dynamiq.codecs import get_codec, list_codecs
+from dynamiq.codecs import HopContext, get_codec, list_codecs
 from dynamiq.collectives.schedules import Schedule, validate
 from dynamiq.testing import (
     codec_configs,
@@ -71,7 +71,7 @@ def test_codec_configs_build_codecs(config: dict, named: dict) -> None:
     ctx=hop_contexts(seed=5, world_size=4, block_size=32, max_offset=4096),
     free=hop_contexts(),
 )
-def test_hop_contexts(ctx, free) -> None:  # type: ignore[no-untyped-def]
+def test_hop_contexts(ctx: HopContext, free: HopContext) -> None:
     assert ctx.seed == 5 and ctx.world_size == 4
     assert 0 <= ctx.rank < 4 and 1 <= ctx.contributions <= 4
     assert ctx.offset % 32 == 0 and 0 <= ctx.offset <= 4096
