@@ -1,5 +1,6 @@
-"""Shared pytest set-up: the Hypothesis profile from HYPOTHESIS_PROFILE (default ``dev``), and a
-temporary directory for the subprocesses the tests start."""
+"""Shared pytest set-up: the Hypothesis profile from HYPOTHESIS_PROFILE (unset or empty:
+``dev``; ``--hypothesis-profile`` wins), and a temporary directory for the subprocesses the
+tests start."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from dynamiq.testing.strategies import load_profile
+from dynamiq.testing.profiles import load_profile
 
-load_profile()
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not config.getoption("hypothesis_profile", None):
+        load_profile(default="dev")
 
 
 @pytest.fixture(scope="session", autouse=True)

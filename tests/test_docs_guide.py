@@ -42,7 +42,7 @@ import pytest
 from dynamiq.testing.distributed import free_port
 
 ROOT = Path(__file__).parents[1]
-DOCS = ("docs/guide.md", "README.md", "examples/dynamiq-nf4/README.md")
+DOCS = ("docs/guide.md", "docs/testing.md", "README.md", "examples/dynamiq-nf4/README.md")
 BIN = Path(sys.executable).parent
 TIMEOUT = 300
 

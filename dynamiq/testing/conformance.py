@@ -10,30 +10,37 @@ Each ``check_*`` function raises ``AssertionError`` with a message naming the co
 failing input. The Hypothesis-driven checks draw inputs from :mod:`dynamiq.testing.strategies`
 (shapes including empty, one and block remainders; magnitudes from subnormal to huge; zeros;
 mixed signs; fp32/bf16/fp16; and, half of them, inputs aimed at rounding ties, scale
-boundaries, subnormal powers of two and the bound's witness moved there: ``edge_tensors``).
+boundaries, subnormal powers of two and the bound's witness moved there: ``edge_tensors``),
+under the Hypothesis settings in force, the caller's (:mod:`dynamiq.testing.profiles`).
+The checks inside the engine (the multi-hop bound, block locality) are in
+:mod:`dynamiq.testing.allreduce`. docs/testing.md documents them all.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynamiq.codecs import Codec, HopContext, get_codec
 
-from .golden import check_golden
-from .strategies import codec_inputs, hop_contexts, load_profile
+from .allreduce import check_allreduce_bound, check_block_locality
+from .golden import check_golden, golden_input
+from .strategies import codec_inputs, edge_battery, hop_contexts, schedules, tensor_lists
 
 __all__ = [
     "check_bad_input",
+    "check_bound_edges",
     "check_bound_sound",
     "check_bound_tight",
     "check_config",
+    "check_encoded_nbytes",
     "check_golden",
     "check_nonfinite",
     "check_reduce",
@@ -41,8 +48,6 @@ __all__ = [
     "check_unbiased",
     "run_conformance",
 ]
-
-load_profile()
 
 
 def _err(codec: Codec, x: torch.Tensor, ctx: HopContext | None = None) -> torch.Tensor:
@@ -73,7 +78,10 @@ def check_roundtrip(codec: Codec, x: torch.Tensor, ctx: HopContext | None = None
     assert payload.dtype == torch.uint8 and payload.dim() == 1, f"{codec!r}: payload type"
     size = codec.encoded_nbytes(x.numel(), ctx)
     if size is not None:
-        assert payload.numel() == size, f"{codec!r}: {payload.numel()} bytes, declared {size}"
+        assert payload.numel() == size, (
+            f"{codec!r}: encoded_nbytes({x.numel()}) is {size} but encode wrote "
+            f"{payload.numel()} bytes (ctx {ctx})"
+        )
     y = codec.decode(payload, x.numel(), ctx)
     assert y.dtype == torch.float32 and y.shape == (x.numel(),), f"{codec!r}: decode shape"
     out = torch.empty(x.numel(), dtype=torch.float32)
@@ -84,8 +92,9 @@ def check_roundtrip(codec: Codec, x: torch.Tensor, ctx: HopContext | None = None
     assert torch.equal(codec.encode(x.clone(), ctx), payload)
 
 
-def check_bound_sound(codec: Codec, x: torch.Tensor, ctx: HopContext | None = None) -> None:
-    """``|decode(encode(x)) - x| <= error_bound.max_abs_error(x)`` element-wise."""
+def check_bound_sound(codec: Codec, x: torch.Tensor, ctx: HopContext | None = None) -> float:
+    """``|decode(encode(x)) - x| <= error_bound.max_abs_error(x)`` element-wise; returns the
+    largest error / bound (0 where every bound is 0)."""
     err = _err(codec, x, ctx)
     bound = codec.error_bound.max_abs_error(x, ctx)
     assert bound.dtype == torch.float64 and bound.shape == x.shape, f"{codec!r}: bound shape"
@@ -97,6 +106,44 @@ def check_bound_sound(codec: Codec, x: torch.Tensor, ctx: HopContext | None = No
             f"{codec!r}: error {err[i].item()!r} > bound {bound[i].item()!r} at index {i} "
             f"(x = {x[i].item()!r}, dtype {x.dtype}, numel {x.numel()}, ctx {ctx})"
         )
+    pos = bound > 0
+    return float((err[pos] / bound[pos]).max()) if bool(pos.any()) else 0.0
+
+
+def check_encoded_nbytes(codec: Codec, sizes: tuple[int, ...] | None = None) -> None:
+    """``encoded_nbytes(n, ctx)`` is the size of what ``encode`` writes, for ``n`` in
+    ``sizes`` (default: 0, 1, block remainders, several blocks) and two contexts; a mismatch
+    is reported as such, with the codec and both sizes (not as a later size error)."""
+    b = codec.block_size
+    ns = sizes if sizes is not None else sorted({0, 1, max(b - 1, 1), b, b + 1, 3 * b + 5})
+    base = golden_input(b)
+    for n in ns:
+        x = base.repeat(-(-n // max(base.numel(), 1)) or 1)[:n].contiguous()
+        for ctx in (HopContext(), HopContext(seed=3, step=1, hop=1, num_hops=3, offset=5 * b)):
+            declared = codec.encoded_nbytes(n, ctx)
+            try:
+                payload = codec.encode(x, ctx)
+            except ValueError as exc:
+                if "encoded_nbytes" not in str(exc):
+                    raise
+                raise AssertionError(f"{codec!r}: {exc}") from None
+            if declared is not None and payload.numel() != declared:
+                raise AssertionError(
+                    f"{codec!r}: encoded_nbytes({n}) is {declared} but encode wrote "
+                    f"{payload.numel()} bytes for {n} values (ctx {ctx})"
+                )
+
+
+def check_bound_edges(codec: Codec) -> float:
+    """:func:`check_bound_sound` on the fixed inputs of
+    :func:`~dynamiq.testing.strategies.edge_battery`, aimed where a bound is reached (the
+    witness and dwarfed blocks at every edge exponent, nudged one ulp). Returns the largest
+    error / bound seen: a bound reached exactly somewhere is found to the ulp, whatever the
+    Hypothesis example count."""
+    worst = 0.0
+    for x in edge_battery(codec):
+        worst = max(worst, check_bound_sound(codec, x))
+    return worst
 
 
 def check_bound_tight(codec: Codec, numel: int = 1024) -> float:
@@ -238,13 +285,61 @@ def check_unbiased(codec: Codec, trials: int = 400, z_max: float = 5.0) -> float
     return z
 
 
-def run_conformance(codec: Codec | str, fixtures_dir: str | Path | None = None) -> None:
-    """Every check of the kit on one codec (Hypothesis examples per ``HYPOTHESIS_PROFILE``)."""
+def _share(fraction: int) -> int:
+    """A ``1/fraction`` share of the examples of the settings in force (at least 1)."""
+    current = settings.default
+    return max(1, (current.max_examples if current else 100) // fraction)
+
+
+def _engine_properties(codec: Codec, allreduce: bool) -> None:
+    """Block locality on drawn inputs, contexts and cuts, and (``allreduce``) the multi-hop
+    bound over drawn per-rank tensors and schedules, at reduced example counts."""
+    b = codec.block_size
+
+    @settings(parent=settings.default, max_examples=_share(8))
+    @given(
+        x=codec_inputs(codec, max_abs=codec.max_input_abs / 4),  # (room for the prologue)
+        ctx=hop_contexts(block_size=b, max_offset=2**30),
+        data=st.data(),
+    )
+    def block_local(x: torch.Tensor, ctx: HopContext, data: st.DataObject) -> None:
+        blocks = -(-x.numel() // b)
+        inner = (
+            st.lists(st.integers(1, blocks - 1), max_size=4, unique=True)
+            if blocks > 1
+            else st.just([])
+        )
+        points = [0, *sorted(i * b for i in data.draw(inner)), x.numel()]
+        check_block_locality(codec, x, ctx, [list(itertools.pairwise(points))])
+
+    @settings(parent=settings.default, max_examples=_share(20))
+    @given(data=st.data(), seed=st.integers(0, 2**31))
+    def allreduce_bound(data: st.DataObject, seed: int) -> None:
+        limit = min(codec.max_input_abs, 2.0**100) / 64  # partial sums stay within range
+        size = (0, min(4 * b, 1024))
+        xs = data.draw(tensor_lists(b, ranks=(1, 4), size=size, max_abs=limit), label="tensors")
+        sched = data.draw(schedules(len(xs)), label="schedule")
+        check_allreduce_bound(xs, codec, sched, seed=seed, sub_chunks=(b,))
+
+    block_local()
+    if allreduce:
+        allreduce_bound()
+
+
+def run_conformance(
+    codec: Codec | str, fixtures_dir: str | Path | None = None, *, allreduce: bool = True
+) -> None:
+    """Every check of the kit on one codec, under the Hypothesis settings in force (the
+    caller's profile; an eighth of its examples for block locality and, with ``allreduce``,
+    a twentieth for the multi-hop bound through the engine)."""
     codec = get_codec(codec)
+    check_encoded_nbytes(codec)
     check_config(codec)
     check_bad_input(codec)
     check_nonfinite(codec)
     check_bound_tight(codec)
+    check_bound_edges(codec)
+    check_block_locality(codec, golden_input(codec.block_size))
     if codec.error_bound.unbiased and codec.error_bound.var is not None:
         check_unbiased(codec)
     if fixtures_dir is not None:
@@ -265,3 +360,4 @@ def run_conformance(codec: Codec | str, fixtures_dir: str | Path | None = None) 
 
     roundtrip_and_bound()
     reduce_matches()
+    _engine_properties(codec, allreduce)

@@ -1,45 +1,44 @@
-"""Hypothesis strategies for codec inputs and hop contexts (docs/design.md, "House
-style", item 6).
+"""Hypothesis strategies for codec inputs, hop contexts and all-reduce cases (docs/testing.md,
+"Strategies"; docs/design.md, "House style", item 6).
 
-:func:`finite_tensors` draws values spread over magnitudes; :func:`edge_tensors` aims where
-certified bounds slip: rounding ties of the element grids, scale boundaries, and subnormal
-powers of two (docs/reliability.md, "Bounds never violated"). :func:`codec_inputs`, what the
-conformance kit draws from, mixes both. All strategies live here. Profiles ``dev`` (fast),
-``ci`` (default of ``make test``) and ``thorough`` are registered on import; pick one with
-``HYPOTHESIS_PROFILE``.
+Tensors: :func:`finite_tensors` draws values spread over magnitudes; :func:`edge_tensors` aims
+where certified bounds slip: rounding ties of the element grids, scale boundaries, and
+subnormal powers of two (docs/reliability.md, "Certified bounds never violated"), and
+:func:`edge_battery` is its fixed, deterministic twin; :func:`codec_inputs`, what the
+conformance kit draws from, mixes both strategies. Each takes a ``size`` (or a ``shape``) and the
+``dtypes`` to draw from. All-reduce cases: :func:`tensor_lists` (one tensor per rank),
+:func:`schedules`, :func:`codec_configs` and :func:`hop_contexts`. All strategies live here;
+the Hypothesis profiles in :mod:`dynamiq.testing.profiles`.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from dynamiq.codecs.base import FP32_MAX, Codec, HopContext
 
-__all__ = ["codec_inputs", "edge_tensors", "finite_tensors", "hop_contexts", "load_profile"]
+__all__ = [
+    "EDGE_EXPONENTS",
+    "codec_configs",
+    "codec_inputs",
+    "edge_battery",
+    "edge_tensors",
+    "finite_tensors",
+    "hop_contexts",
+    "schedules",
+    "tensor_lists",
+]
 
-settings.register_profile(
-    "dev", max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.register_profile(
-    "ci", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.register_profile(
-    "thorough", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-
-
-def load_profile() -> None:
-    """Load the profile named by ``HYPOTHESIS_PROFILE`` (default ``dev``)."""
-    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
-
+#: a ``size`` argument: an exact element count, or an inclusive ``(min, max)`` range
+Size = int | tuple[int, int] | None
+#: a ``dtypes`` argument: names (``"float32"``, ``"bfloat16"``, ``"float16"``) or dtypes
+DTypes = Sequence[str | torch.dtype]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,11 +49,49 @@ def _f32_floor(v: float) -> float:
     return float(np.nextafter(f, np.float32(0)) if float(f) > v else f)
 
 
-def _lengths(block_size: int) -> st.SearchStrategy[int]:
-    """Empty, one, block remainders and several blocks."""
+def _lengths(block_size: int, size: Size = None) -> st.SearchStrategy[int]:
+    """Element counts: ``size`` (exact, or a ``(min, max)`` range, whose block edges are
+    favoured), or by default empty, one, block remainders and several blocks."""
     b = block_size
+    if isinstance(size, bool) or not isinstance(size, (int, tuple, type(None))):
+        raise TypeError(f"size must be an int, a (min, max) pair or None (got {size!r})")
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"size must be >= 0 (got {size})")
+        return st.just(size)
+    lo, hi = (0, min(6 * b, 4096)) if size is None else size
+    if not 0 <= lo <= hi:
+        raise ValueError(f"size range must satisfy 0 <= min <= max (got {size})")
     edge = sorted({0, 1, 2, max(b - 1, 1), b, b + 1, 2 * b - 1, 2 * b + 3, 3 * b})
-    return st.one_of(st.sampled_from(edge), st.integers(0, min(6 * b, 4096)))
+    edge = [n for n in edge if lo <= n <= hi] if size is not None else edge
+    sized = st.integers(lo, hi)
+    return st.one_of(st.sampled_from(edge), sized) if edge else sized
+
+
+def _dtype_names(dtypes: DTypes) -> list[str]:
+    names = []
+    for d in dtypes:
+        name = str(d).removeprefix("torch.") if isinstance(d, torch.dtype) else d
+        if name not in _DTYPES:
+            raise ValueError(f"dtypes must be among {sorted(_DTYPES)} (got {d!r})")
+        names.append(name)
+    if not names:
+        raise ValueError("dtypes must name at least one dtype")
+    return names
+
+
+def _geometry(
+    draw: st.DrawFn, block_size: int, size: Size, shape: tuple[int, ...] | None, dtypes: DTypes
+) -> tuple[int, tuple[int, ...] | None, torch.dtype]:
+    """The element count, the final shape (``None``: 1-D) and the dtype of one draw."""
+    if shape is not None:
+        if size is not None:
+            raise ValueError("give size or shape, not both")
+        shape = tuple(int(d) for d in shape)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"shape must not have negative dimensions (got {shape})")
+    n = math.prod(shape) if shape is not None else draw(_lengths(block_size, size))
+    return n, shape, _DTYPES[draw(st.sampled_from(_dtype_names(dtypes)))]
 
 
 @st.composite
@@ -62,14 +99,17 @@ def finite_tensors(
     draw: st.DrawFn,
     block_size: int = 32,
     *,
+    size: Size = None,
+    shape: tuple[int, ...] | None = None,
     max_abs: float = FP32_MAX,
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16"),
+    dtypes: DTypes = ("float32", "bfloat16", "float16"),
 ) -> torch.Tensor:
-    """1-D finite tensors: lengths around ``block_size``; magnitudes from subnormal to huge,
-    zeros, mixed or single signs, fp32/bf16/fp16; never above ``max_abs`` in magnitude."""
+    """Finite tensors: magnitudes from subnormal to huge, zeros, mixed or single signs, in
+    one of ``dtypes``; never above ``max_abs`` in magnitude. 1-D with ``size`` elements (an
+    int, or a ``(min, max)`` range; default: lengths around ``block_size``: 0, 1, block
+    remainders, several blocks), or of ``shape``."""
     max_abs = _f32_floor(max_abs)
-    n = draw(_lengths(block_size))
-    dtype = _DTYPES[draw(st.sampled_from(dtypes))]
+    n, shape, dtype = _geometry(draw, block_size, size, shape, dtypes)
     if n <= 2000 and draw(st.booleans()):
         # Hypothesis' own float choices: boundary values, subnormals, exact powers of two
         vals = draw(
@@ -100,7 +140,7 @@ def finite_tensors(
         elif signs == "negative":
             mag = -mag
         x = torch.from_numpy(np.clip(mag, -max_abs, max_abs).astype(np.float32))
-    return _to_dtype(x, dtype, max_abs)
+    return _shaped(_to_dtype(x, dtype, max_abs), shape)
 
 
 #: exponents where scales and element grids change behaviour: fp32's subnormals and smallest
@@ -143,8 +183,10 @@ def edge_tensors(
     draw: st.DrawFn,
     block_size: int = 32,
     *,
+    size: Size = None,
+    shape: tuple[int, ...] | None = None,
     max_abs: float = FP32_MAX,
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16"),
+    dtypes: DTypes = ("float32", "bfloat16", "float16"),
     witness: Callable[[int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """1-D finite tensors aimed where certified bounds slip, piecewise over chunks of
@@ -161,10 +203,10 @@ def edge_tensors(
       format limits), where rounding differs;
 
     with random signs (per chunk or per value) and, optionally, values nudged one fp32 ulp up
-    or down (just off a tie or a boundary). Never above ``max_abs`` in magnitude."""
+    or down (just off a tie or a boundary). Never above ``max_abs`` in magnitude. ``size``,
+    ``shape`` and ``dtypes`` as for :func:`finite_tensors`."""
     max_abs = _f32_floor(max_abs)
-    n = draw(_lengths(block_size))
-    dtype = _DTYPES[draw(st.sampled_from(dtypes))]
+    n, shape, dtype = _geometry(draw, block_size, size, shape, dtypes)
     # the witness (where the bound is tight) moved to the edges weighs as two patterns
     patterns = ["constant", "ties", "powers"] + (["witness"] * 2 if witness and n else [])
     pattern = draw(st.sampled_from(patterns))
@@ -200,7 +242,61 @@ def edge_tensors(
         toward = np.where(rng.random(n) < 0.5, np.float32(0), outward)
         x32 = np.where(moved, np.nextafter(x32, toward), x32).astype(np.float32)
         x32 = np.clip(x32, -max_abs, max_abs).astype(np.float32)
-    return _to_dtype(torch.from_numpy(x32.copy()), dtype, max_abs)
+    return _shaped(_to_dtype(torch.from_numpy(x32.copy()), dtype, max_abs), shape)
+
+
+def _scaled(w: np.ndarray, e: int, limit: float) -> np.ndarray | None:
+    """``w`` times the power of two that puts its largest magnitude at ``2^e`` (fp32; None
+    when that leaves the codec's range)."""
+    peak = float(np.abs(w).max()) if w.size else 0.0
+    if peak == 0:
+        return None
+    x = np.ldexp(w, e - math.frexp(peak)[1] + 1)
+    if not np.isfinite(x).all() or float(np.abs(x).max()) > limit:
+        return None
+    return x.astype(np.float32)
+
+
+#: the exponents of the battery of partial blocks, and of every block past 4096 values: a
+#: sample of :data:`EDGE_EXPONENTS` (fp32's and fp16's subnormals and smallest normals,
+#: around 1, fp16's largest binade, the top of fp32)
+_FEW_EXPONENTS = (-149, -148, -147, -140, -133, -127, -126, -125, -24, -14, -1, 0, 15, 124, 127)
+
+
+def _variants(pattern: np.ndarray, exponents: tuple[int, ...], limit: float) -> list[np.ndarray]:
+    """``pattern`` moved to each exponent, and nudged one fp32 ulp out and in."""
+    out = []
+    for e in exponents:
+        x = _scaled(pattern, e, limit)
+        if x is None:
+            continue
+        up = np.nextafter(x, np.copysign(np.float32(np.inf), x)).astype(np.float32)
+        down = np.nextafter(x, np.float32(0)).astype(np.float32)
+        out += [v for v in (x, up, down) if np.isfinite(v).all() and np.abs(v).max() <= limit]
+    return out
+
+
+def edge_battery(codec: Codec) -> list[torch.Tensor]:
+    """Fixed fp32 inputs aimed where ``codec``'s bound is reached, the deterministic twin of
+    :func:`edge_tensors`: the bound's witness, and blocks of one value dwarfing the others
+    (``2^-1 .. 2^-41`` of it: they round to 0), each moved to every exponent of
+    :data:`EDGE_EXPONENTS` and nudged one fp32 ulp out and in; ``block_size`` values each,
+    all in one tensor (blocks are encoded apart: the kit checks that), then ``2·block + 3``
+    values each (a partial block) at a sample of the exponents."""
+    b = codec.block_size
+    limit = min(codec.max_input_abs, 3.0e38)
+    out = []
+    for n in sorted({b, min(2 * b + 3, 4096)} if b <= 4096 else {b}):
+        k = np.arange(n)
+        dwarfed = np.where(k % b == 0, 1.0, np.ldexp(1.0, -(k % 41) - 1))
+        dwarfed *= np.where(k % 3 == 0, -1.0, 1.0)
+        exps = EDGE_EXPONENTS if n == b and b <= 4096 else _FEW_EXPONENTS
+        witness = codec.error_bound.witness(n).double().numpy()
+        xs = _variants(witness, exps, limit) + _variants(dwarfed, exps, limit)
+        if n == b and xs:
+            xs = [np.concatenate(xs)]
+        out += [torch.from_numpy(x.copy()) for x in xs]
+    return out
 
 
 def _to_dtype(x: torch.Tensor, dtype: torch.dtype, max_abs: float) -> torch.Tensor:
@@ -212,25 +308,137 @@ def _to_dtype(x: torch.Tensor, dtype: torch.dtype, max_abs: float) -> torch.Tens
     return x.clamp(-float(top), float(top)).to(dtype).contiguous()
 
 
+def _shaped(x: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:
+    return x if shape is None else x.reshape(shape)
+
+
+def _fixed_or(value: int | None, lo: int, hi: int) -> st.SearchStrategy[int]:
+    return st.integers(lo, hi) if value is None else st.just(value)
+
+
 @st.composite
-def hop_contexts(draw: st.DrawFn) -> HopContext:
-    """Contexts with any seed/step/rank/offset; hop < num_hops."""
-    num_hops = draw(st.integers(1, 64))
+def hop_contexts(
+    draw: st.DrawFn,
+    *,
+    seed: int | None = None,
+    step: int | None = None,
+    num_hops: int | None = None,
+    world_size: int | None = None,
+    max_offset: int = 2**40,
+    block_size: int = 1,
+    shared: dict[str, Any] | None = None,
+) -> HopContext:
+    """Hop contexts; each field given is fixed, the others drawn: ``seed`` (any 63-bit),
+    ``step``, ``num_hops`` (1..64; ``hop`` below it), ``world_size`` (1..1024; ``rank`` and
+    ``contributions`` within it), ``offset`` a multiple of ``block_size`` up to
+    ``max_offset`` (the global index of an encoded piece's first element starts a block),
+    and ``shared`` (a prologue's result, ``None`` by default)."""
+    hops = draw(_fixed_or(num_hops, 1, 64))
+    ranks = draw(_fixed_or(world_size, 1, 1024))
+    blocks = max(max_offset // max(block_size, 1), 0)
     return HopContext(
-        seed=draw(st.integers(0, 2**64 - 1).map(lambda v: v & (2**63 - 1))),
-        step=draw(st.integers(0, 10**9)),
-        hop=draw(st.integers(0, num_hops - 1)),
-        num_hops=num_hops,
-        rank=draw(st.integers(0, 1023)),
-        contributions=draw(st.integers(1, 1024)),
-        offset=draw(st.integers(0, 2**40)),
-        world_size=draw(st.integers(1, 1024)),
+        seed=draw(_fixed_or(seed, 0, 2**63 - 1)),
+        step=draw(_fixed_or(step, 0, 10**9)),
+        hop=draw(st.integers(0, hops - 1)),
+        num_hops=hops,
+        rank=draw(st.integers(0, ranks - 1)),
+        contributions=draw(st.integers(1, ranks)),
+        offset=draw(st.integers(0, blocks)) * max(block_size, 1),
+        world_size=ranks,
+        shared=shared,
     )
 
 
 def codec_inputs(codec: Codec, **kw: Any) -> st.SearchStrategy[torch.Tensor]:
     """Finite inputs a codec accepts (magnitudes up to ``codec.max_input_abs``): spread
-    (:func:`finite_tensors`) or aimed at edges (:func:`edge_tensors`), half each."""
+    (:func:`finite_tensors`) or aimed at edges (:func:`edge_tensors`, with the bound's
+    witness), half each. Keywords (``size``, ``dtypes``, ``max_abs``) go to both."""
     kw.setdefault("max_abs", codec.max_input_abs)
     edges = edge_tensors(codec.block_size, witness=codec.error_bound.witness, **kw)
     return st.one_of(finite_tensors(codec.block_size, **kw), edges)
+
+
+@st.composite
+def tensor_lists(
+    draw: st.DrawFn,
+    block_size: int = 32,
+    *,
+    ranks: int | tuple[int, int] = (1, 6),
+    size: Size = None,
+    shape: tuple[int, ...] | None = None,
+    dtypes: DTypes = ("float32",),
+    max_abs: float = 2.0**100,
+    edges: bool = True,
+) -> list[torch.Tensor]:
+    """One tensor per rank for an all-reduce: ``ranks`` of them (an int or a ``(min, max)``
+    range), all of one size (``size`` as for :func:`finite_tensors`) or ``shape`` and one
+    dtype, each rank's values spread (:func:`finite_tensors`) or, with ``edges``, aimed at
+    ties, scale boundaries and subnormals (:func:`edge_tensors`); ``|x| <= max_abs``."""
+    lo, hi = (ranks, ranks) if isinstance(ranks, int) else ranks
+    if not 1 <= lo <= hi:
+        raise ValueError(f"ranks must be >= 1 (got {ranks})")
+    n_ranks = draw(st.integers(lo, hi))
+    if shape is None:
+        size = draw(_lengths(block_size, size))
+    dtype = draw(st.sampled_from(_dtype_names(dtypes)))
+    kw: dict[str, Any] = {"size": size, "shape": shape, "dtypes": (dtype,), "max_abs": max_abs}
+    one = finite_tensors(block_size, **kw)
+    if edges:
+        one = st.one_of(one, edge_tensors(block_size, **kw))
+    return [draw(one) for _ in range(n_ranks)]
+
+
+def _schedule_options(name: str, world_size: int) -> list[dict[str, Any]]:
+    if name != "hierarchical":
+        return [{}]
+    return [{"ranks_per_node": g} for g in range(1, world_size + 1) if world_size % g == 0]
+
+
+@st.composite
+def schedules(draw: st.DrawFn, world_size: int, *, names: Sequence[str] | None = None) -> Any:
+    """Built-in schedules (:func:`dynamiq.collectives.get_schedule`) for ``world_size``
+    ranks, among ``names`` (default: every built-in one; ``hierarchical`` with any
+    ``ranks_per_node`` that divides ``world_size``)."""
+    from dynamiq.collectives import get_schedule, list_schedules
+
+    pool = list(names) if names is not None else list_schedules()
+    unknown = sorted(set(pool) - set(list_schedules()))
+    if unknown or not pool:
+        raise ValueError(f"names must be among {list_schedules()} (got {list(pool)})")
+    name = draw(st.sampled_from(pool))
+    return get_schedule(
+        name, world_size, **draw(st.sampled_from(_schedule_options(name, world_size)))
+    )
+
+
+#: the configuration space :func:`codec_configs` draws the ``int`` family from
+_INT_SPACE = {
+    "bits": st.integers(2, 8),
+    "block_size": st.sampled_from([2, 7, 16, 32, 64, 128]),
+    "rounding": st.sampled_from(["nearest", "stochastic"]),
+    "scale_format": st.sampled_from(["bf16", "fp16", "fp32", "e8m0"]),
+}
+
+
+@st.composite
+def codec_configs(
+    draw: st.DrawFn, names: Sequence[str] | None = None, *, vary_int: bool = True
+) -> dict[str, Any]:
+    """Codec configurations (JSON-safe dicts for :func:`dynamiq.codecs.get_codec`): the
+    configuration of one of ``names`` (default: every codec that ships with dynamiq), or,
+    with ``vary_int``, an ``int`` codec with any bits (2..8), block size, rounding and scale
+    format."""
+    from dynamiq.codecs import get_codec, list_codecs
+
+    pool = list(names) if names is not None else _builtin_names(list_codecs())
+    if not pool:
+        raise ValueError("names must name at least one codec")
+    if vary_int and draw(st.booleans()):
+        return {"id": "int", **{k: draw(v) for k, v in _INT_SPACE.items()}}
+    return get_codec(draw(st.sampled_from(pool))).get_config()
+
+
+def _builtin_names(names: list[str]) -> list[str]:
+    from dynamiq.codecs import get_codec
+
+    return [n for n in names if type(get_codec(n)).__module__.startswith("dynamiq.")]
