@@ -2,6 +2,12 @@
 
 Each fixture holds ``config.json`` (codec config, hop context, numel), ``input.bin`` (fp32
 little-endian), ``payload.bin`` (the encoded bytes) and ``decoded.bin`` (fp32 little-endian).
+A fixture with a ``prologue`` (``{"ranks": n}``) freezes a codec whose wire sizes come from a
+prologue (pooled DynamiQ): ``n`` ranks (rank 0 holds the input; rank ``r`` the input rolled by
+``97 r`` and scaled by ``2^-r``; the input's first third is scaled by ``2^-24``) run it in
+process over the ring's even chunks, free to re-cut them; ``shared.json`` holds the agreed
+chunk bounds, and the payload is rank 0's chunks encoded one after the other at their
+offsets.
 :func:`check_golden` re-encodes the input and compares bytes, so any change to a wire format
 fails loudly. Regenerate (only for a deliberate, documented format change) with::
 
@@ -11,6 +17,7 @@ fails loudly. Regenerate (only for a deliberate, documented format change) with:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -54,6 +61,12 @@ EXTRA_FIXTURES: dict[str, dict[str, Any]] = {
         },
         "ctx": {"seed": 11, "step": 2, "hop": 2, "num_hops": 5, "rank": 3, "offset": 2048},
     },
+    "dynamiq_pooled": {
+        "codec": {"id": "dynamiq"},
+        "ctx": {"seed": 3, "rank": 0},
+        "prologue": {"ranks": 3},
+        "input_block": 1024,
+    },
     "dynamiq_uniform_stochastic": {
         "codec": {
             "id": "dynamiq",
@@ -96,19 +109,67 @@ def _read_f32(path: Path) -> torch.Tensor:
     return torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.float32)
 
 
+def _pooled(
+    codec: Codec, x: torch.Tensor, ctx: HopContext, ranks: int
+) -> tuple[HopContext, list[tuple[int, int]]]:
+    """The context holding the prologue's result of ``ranks`` in-process ranks (see the
+    module docstring), and the chunks rank 0 encodes."""
+    from dynamiq.collectives.handshake import local_prologues  # the engine's own prologue
+    from dynamiq.collectives.planning import CHUNK_BOUNDS_KEY, chunk_bounds
+
+    xs = [x] + [torch.roll(x, 97 * r) * 2.0**-r for r in range(1, ranks)]
+    chunks = chunk_bounds(x.numel(), ranks, codec.block_size)
+    shared = local_prologues(codec, xs, chunks, timeout=60.0, recut_align=codec.block_size)[0][0]
+    assert shared is not None, f"{codec!r} ran no prologue"
+    return dataclasses.replace(ctx, shared=shared), list(shared.get(CHUNK_BOUNDS_KEY, chunks))
+
+
+def _encode(codec: Codec, x: torch.Tensor, ctx: HopContext, pieces: list) -> torch.Tensor:
+    parts = [
+        codec.encode(x[a:b].contiguous(), dataclasses.replace(ctx, offset=ctx.offset + a))
+        for a, b in pieces
+        if b > a
+    ]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _decode(codec: Codec, payload: torch.Tensor, ctx: HopContext, pieces: list) -> torch.Tensor:
+    out, at = [], 0
+    for a, b in pieces:
+        if b > a:
+            c = dataclasses.replace(ctx, offset=ctx.offset + a)
+            size = codec.encoded_nbytes(b - a, c)
+            assert size is not None
+            out.append(codec.decode(payload[at : at + size], b - a, c))
+            at += size
+    return torch.cat(out)
+
+
 def write_golden(
-    codec: Codec, fixtures_dir: str | Path, name: str | None = None, ctx: HopContext | None = None
+    codec: Codec,
+    fixtures_dir: str | Path,
+    name: str | None = None,
+    ctx: HopContext | None = None,
+    prologue: dict[str, int] | None = None,
+    input_block: int | None = None,
 ) -> Path:
     """Write the fixture of ``codec`` (see the module docstring); returns its folder."""
     name = name or fixture_name(codec)
     folder = Path(fixtures_dir) / name
     folder.mkdir(parents=True, exist_ok=True)
     ctx = ctx or HopContext()
-    x = golden_input(codec.block_size)
-    payload = codec.encode(x, ctx)
-    decoded = codec.decode(payload, x.numel(), ctx)
+    x = golden_input(input_block or codec.block_size)
+    pieces = [(0, x.numel())]
     ctx_fields = {k: v for k, v in vars(ctx).items() if k != "shared"}
-    meta = {"codec": codec.get_config(), "ctx": ctx_fields, "numel": x.numel()}
+    if prologue:  # its first third 2^24 times smaller: a budget uneven enough to re-cut
+        x = torch.cat([x[: x.numel() // 3] * 2.0**-24, x[x.numel() // 3 :]])
+        ctx, pieces = _pooled(codec, x, ctx, prologue["ranks"])
+        (folder / "shared.json").write_text(json.dumps({"chunk_bounds": pieces}) + "\n")
+    payload = _encode(codec, x, ctx, pieces)
+    decoded = _decode(codec, payload, ctx, pieces)
+    meta: dict[str, Any] = {"codec": codec.get_config(), "ctx": ctx_fields, "numel": x.numel()}
+    if prologue:
+        meta["prologue"] = prologue
     (folder / "config.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     (folder / "input.bin").write_bytes(x.numpy().astype("<f4").tobytes())
     (folder / "payload.bin").write_bytes(payload.numpy().tobytes())
@@ -126,13 +187,18 @@ def check_golden(codec: Codec, fixtures_dir: str | Path, name: str | None = None
     ctx = HopContext(**meta["ctx"])
     x = _read_f32(folder / "input.bin")
     assert x.numel() == meta["numel"]
+    pieces = [(0, x.numel())]
+    if "prologue" in meta:
+        ctx, pieces = _pooled(codec, x, ctx, meta["prologue"]["ranks"])
+        frozen = json.loads((folder / "shared.json").read_text())["chunk_bounds"]
+        assert pieces == [tuple(p) for p in frozen], f"{folder}: chunk bounds {pieces}"
     expected = torch.frombuffer(bytearray((folder / "payload.bin").read_bytes()), dtype=torch.uint8)
-    payload = codec.encode(x, ctx)
+    payload = _encode(codec, x, ctx, pieces)
     if not torch.equal(payload, expected):
         diff = (payload != expected).nonzero() if payload.shape == expected.shape else None
         where = f"first differing byte {int(diff[0, 0])}" if diff is not None else "size"
         raise AssertionError(f"{codec!r}: wire bytes differ from {folder} ({where})")
-    decoded = codec.decode(expected, x.numel(), ctx)
+    decoded = _decode(codec, expected, ctx, pieces)
     want = _read_f32(folder / "decoded.bin")
     assert torch.equal(decoded.view(torch.int32), want.view(torch.int32)), f"{folder}: decode"
 
@@ -157,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, spec in EXTRA_FIXTURES.items():
         if only and name not in only:
             continue
-        print(write_golden(get_codec(spec["codec"]), args.write, name, HopContext(**spec["ctx"])))
+        codec, ctx = get_codec(spec["codec"]), HopContext(**spec["ctx"])
+        extra = {k: spec[k] for k in ("prologue", "input_block") if k in spec}
+        print(write_golden(codec, args.write, name, ctx, **extra))
     return 0
 
 
