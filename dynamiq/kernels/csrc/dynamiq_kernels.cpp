@@ -30,10 +30,11 @@
 // decoded values plus the local ones into a span-sized scratch with each group's absmax;
 // the scales, codes and widths; then rounding and packing, group by group.
 //
-// Bytes moved per value (fused reduce, the default codec: spans of 65536, super-groups of
-// 1024, groups of 16, 4.7 bits): payload in 4.7/8 + 2/1024 + 0.5/16 (~0.62), local 4 (fp32)
-// or 2 (bf16/fp16), payload out the same ~0.62. The span's values stay in the per-thread
-// scratch (256 KiB at the default span) between the statistics pass and the rounding pass.
+// Bytes moved per value (fused reduce, the default codec: spans and super-groups of 256,
+// groups of 16, 4.62 bits on average, the spans' budgets pooled by the prologue): payload in
+// 4.62/8 + 2/256 + 0.5/16 (~0.62), local 4 (fp32) or 2 (bf16/fp16), payload out the same
+// ~0.62. The span's values stay in the per-thread scratch (1 KiB at the default span; 256 KiB
+// for the first version's spans of 65536) between the statistics pass and the rounding pass.
 
 #include <algorithm>
 #include <climits>
