@@ -270,10 +270,11 @@ def recut(
     numel: int,
     parts: int,
     align: int,
+    slack: float = RECUT_SLACK,
 ) -> list[tuple[int, int]]:
     """``parts`` chunk bounds (multiples of ``align``, a multiple of the span, but the
     buffer's end) whose largest chunk holds the fewest bytes of the whole-bucket budgets
-    (uncapped), among those of at most ``1 + RECUT_SLACK`` times the mean chunk's values
+    (uncapped), among those of at most ``1 + slack`` times the mean chunk's values
     (or the even cut's largest, if more): a binary search on the bytes, each tried by the
     greedy cover that takes the most units it may (optimal for a limit on every chunk).
     Integer arithmetic on shared data: every rank finds the same cut."""
@@ -286,7 +287,7 @@ def recut(
     per_unit = torch.arange(lens.numel()) // (align // codec.span)
     cum = torch.cat([zero[:1], _segment_sum(whole, per_unit, units).cumsum(0)]).tolist()
     mean = numel / parts
-    most = max(int((1 + RECUT_SLACK) * mean) // align, -(-numel // (parts * align)), 1)
+    most = max(int((1 + slack) * mean) // align, -(-numel // (parts * align)), 1)
 
     def cover(limit: int) -> list[int] | None:
         cuts = [0]
