@@ -123,7 +123,7 @@ class StoreBoard:
 
 
 def _key(seq: int, rank: int) -> str:
-    return f"dynamiq/failed/{seq}/{rank}"
+    return f"dynamiq.failed.{seq}.{rank}"  # a store key (not a path)
 
 
 def post_failure(board: Any, seq: int, failure: Failure) -> None:

@@ -77,7 +77,7 @@ def test_bit_identical_to_the_threaded_engine(codec, schedule: str) -> None:
         ("int8", "ring", 16),
         ("mxfp8_e4m3", "butterfly", 16),
         ("dynamiq", "hierarchical", 16),
-        ("mxfp4", "ring", 32),
+        pytest.param("mxfp4", "ring", 32, marks=pytest.mark.slow),  # ~16 s
         ("int8", "hierarchical", 32),
     ],
 )

@@ -466,6 +466,7 @@ def test_failed_build_falls_back(monkeypatch: pytest.MonkeyPatch, fresh_state: P
     assert not list(fresh_state.glob("*.so"))  # nothing half-written left in the cache
 
 
+@pytest.mark.slow  # ~22 s: a real build into a fresh cache (the suite's first use builds too)
 def test_builds_once_then_loads_from_the_cache(
     monkeypatch: pytest.MonkeyPatch, fresh_state: Path
 ) -> None:
