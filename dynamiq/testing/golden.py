@@ -27,7 +27,14 @@ import torch
 
 from dynamiq.codecs import Codec, HopContext, get_codec, list_codecs
 
-__all__ = ["EXTRA_FIXTURES", "check_golden", "fixture_name", "golden_input", "write_golden"]
+__all__ = [
+    "EXTRA_FIXTURES",
+    "check_golden",
+    "fixture_context",
+    "fixture_name",
+    "golden_input",
+    "write_golden",
+]
 
 #: Non-default configurations frozen beside the registered names.
 EXTRA_FIXTURES: dict[str, dict[str, Any]] = {
@@ -134,6 +141,9 @@ def _encode(codec: Codec, x: torch.Tensor, ctx: HopContext, pieces: list) -> tor
 
 
 def _decode(codec: Codec, payload: torch.Tensor, ctx: HopContext, pieces: list) -> torch.Tensor:
+    if len(pieces) == 1:  # the whole input (sizes may depend on the data: OmniReduce)
+        (a, b), c = pieces[0], dataclasses.replace(ctx, offset=ctx.offset + pieces[0][0])
+        return codec.decode(payload, b - a, c)
     out, at = [], 0
     for a, b in pieces:
         if b > a:
@@ -143,6 +153,17 @@ def _decode(codec: Codec, payload: torch.Tensor, ctx: HopContext, pieces: list) 
             out.append(codec.decode(payload[at : at + size], b - a, c))
             at += size
     return torch.cat(out)
+
+
+def fixture_context(
+    codec: Codec, meta: dict[str, Any], x: torch.Tensor
+) -> tuple[HopContext, list[tuple[int, int]]]:
+    """The context and the pieces (``[start, end)``, encoded one after the other) of a
+    fixture's payload, from its ``config.json`` (``meta``) and input ``x``."""
+    ctx = HopContext(**meta["ctx"])
+    if "prologue" not in meta:
+        return ctx, [(0, x.numel())]
+    return _pooled(codec, x, ctx, meta["prologue"]["ranks"])
 
 
 def write_golden(
@@ -184,12 +205,10 @@ def check_golden(codec: Codec, fixtures_dir: str | Path, name: str | None = None
         raise AssertionError(f"no golden fixture for {codec!r} at {folder}")
     meta = json.loads((folder / "config.json").read_text())
     assert get_codec(meta["codec"]) == codec, f"{folder}: config {meta['codec']} != {codec!r}"
-    ctx = HopContext(**meta["ctx"])
     x = _read_f32(folder / "input.bin")
     assert x.numel() == meta["numel"]
-    pieces = [(0, x.numel())]
+    ctx, pieces = fixture_context(codec, meta, x)
     if "prologue" in meta:
-        ctx, pieces = _pooled(codec, x, ctx, meta["prologue"]["ranks"])
         frozen = json.loads((folder / "shared.json").read_text())["chunk_bounds"]
         assert pieces == [tuple(p) for p in frozen], f"{folder}: chunk bounds {pieces}"
     expected = torch.frombuffer(bytearray((folder / "payload.bin").read_bytes()), dtype=torch.uint8)

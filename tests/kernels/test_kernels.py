@@ -17,6 +17,7 @@ which keeps the CPU reference: ``kernel_harness.py``); with CUDA the same tests 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -52,6 +53,7 @@ from dynamiq.codecs import Codec, HopContext, get_codec, list_codecs  # noqa: E4
 from dynamiq.codecs.formats import ELEMENT_FORMATS, ElementFormat  # noqa: E402
 from dynamiq.codecs.hashing import hash_keys, hash_u32, uniform_open01  # noqa: E402
 from dynamiq.codecs.passthrough import FP32Codec  # noqa: E402
+from dynamiq.testing.golden import fixture_context  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("triton_interpreter")]
 
@@ -355,9 +357,26 @@ def test_golden_fixtures_on_triton(name: str) -> None:
     folder = FIXTURES / name
     meta = json.loads((folder / "config.json").read_text())
     codec = get_codec(meta["codec"])
-    ctx = HopContext(**meta["ctx"])
     x = torch.frombuffer(bytearray((folder / "input.bin").read_bytes()), dtype=torch.float32)
     expected = torch.frombuffer(bytearray((folder / "payload.bin").read_bytes()), dtype=torch.uint8)
+    ctx, pieces = fixture_context(codec, meta, x)  # a pooled fixture: its prologue's pieces
+    if len(pieces) > 1:
+        ctxs = [dataclasses.replace(ctx, offset=ctx.offset + a) for a, _ in pieces]
+        parts = [
+            K.encode(codec, x[a:b].contiguous().to(DEVICE), c, backend="triton").cpu()
+            for (a, b), c in zip(pieces, ctxs, strict=True)
+        ]
+        assert torch.equal(torch.cat(parts), expected), f"{name}: wire bytes differ"
+        at, out = 0, []
+        for (a, b), c, p in zip(pieces, ctxs, parts, strict=True):
+            out.append(K.decode(codec, expected[at : at + p.numel()].to(DEVICE), b - a, c,
+                                backend="triton").cpu())  # fmt: skip
+            at += p.numel()
+        want = torch.frombuffer(
+            bytearray((folder / "decoded.bin").read_bytes()), dtype=torch.float32
+        )
+        assert_values_equal(torch.cat(out), want, f"{name} decode")
+        return
     got = K.encode(codec, x.to(DEVICE), ctx, backend="triton").cpu()
     assert torch.equal(got, expected), f"{name}: wire bytes differ from the golden fixture"
     decoded = K.decode(codec, expected.to(DEVICE), x.numel(), ctx, backend="triton").cpu()
