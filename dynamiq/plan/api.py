@@ -73,6 +73,7 @@ def _inter_link(
             link.efficiency,
             link.source,
             float(calib.get("two_streams_efficiency") or link.efficiency),
+            calib.get("exchange_efficiency"),
         )
     else:
         link = named_link(profile)
@@ -87,6 +88,7 @@ def _inter_link(
             link.efficiency if efficiency is None else efficiency,
             link.source + ", overridden",
             link.shared_efficiency if efficiency is None else efficiency,
+            link.exchange_efficiency if efficiency is None else efficiency,
         )
     return link, calib
 

@@ -179,6 +179,14 @@ def _line(by_size: dict[int, float]) -> dict[str, Any]:
 # -- the network ----------------------------------------------------------------------------------
 
 
+def exchange_sizes(n: int, nbytes: int) -> list[int]:
+    """The bytes of each round of the exchange patterns of ``n`` ranks: a recursive halving
+    then doubling of ``nbytes`` over the largest power of two <= ``n`` (butterfly's rounds)."""
+    steps = (1 << (n.bit_length() - 1)).bit_length() - 1
+    sizes = [nbytes >> (i + 1) for i in range(steps)]
+    return sizes + sizes[::-1]
+
+
 def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[list[int]]]]]:
     """Per pattern, per rank, its rounds, each a list of transfers ``[send_to, recv_from,
     nbytes, pieces]`` that run at once (:mod:`dynamiq.plan._link_worker`)."""
@@ -199,8 +207,7 @@ def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[l
     ]
     p = 1 << (n.bit_length() - 1)  # the largest power of two <= n
     steps = p.bit_length() - 1
-    sizes = [nbytes >> (i + 1) for i in range(steps)]
-    sizes = sizes + sizes[::-1]
+    sizes = exchange_sizes(n, nbytes)
     masks = [1 << i for i in range(steps)]
     masks = masks + masks[::-1]
     switch, fixed = [], []
@@ -330,11 +337,19 @@ def _summarise_links(
         "exchange_fixed_partner_seconds": fixed_s,
         "exchange_switch_partner_seconds": switch_s,
         "switch_over_fixed": switch_s / fixed_s,
+        # each direction of a pairwise exchange: the efficiency of butterfly's rounds
+        "exchange_efficiency": exchange_efficiency(len(per_rank), size, fixed_s, bps),
         # the same bytes to two peers at once: the efficiency of two connections sharing a link
         "two_streams_seconds": two_s,
         "two_streams_efficiency": min(1.0, 8 * (size // 2 * 2) / two_s / bps),
         "shaping": shaping,
     }
+
+
+def exchange_efficiency(n: int, size: int, seconds: float, bps: float) -> float:
+    """Goodput ÷ rate of each direction of the fixed-partner exchange of ``n`` ranks that took
+    ``seconds`` (its rounds back to back, :func:`exchange_sizes` of the stream's ``size``)."""
+    return min(1.0, 8 * sum(exchange_sizes(n, size)) / seconds / bps)
 
 
 def _now() -> str:

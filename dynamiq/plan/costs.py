@@ -6,7 +6,10 @@
   acknowledgements, the shaper's overhead). A message of ``B`` bytes holds the sender's
   uplink and the receiver's downlink for ``8·B / (rate_bps·efficiency)`` seconds;
   ``shared_efficiency`` replaces ``efficiency`` for a message queued behind one to another
-  peer (two TCP connections then share the link: measured by the calibration's two streams).
+  peer (two TCP connections then share the link: measured by the calibration's two streams),
+  and ``exchange_efficiency`` for a message of a round in which the rank sends to the peer it
+  receives from (butterfly's pairwise exchanges, measured by the calibration's exchange with
+  a fixed partner: on the emulated cluster ~10 % slower per byte than a one-way stream).
 * :class:`Cost`: ``overhead + per_value · numel`` seconds for one call of a kernel on
   ``numel`` values; :class:`CodecCost` has one for ``encode``, the fused ``reduce``,
   ``decode`` and a codec's ``prologue`` (on the whole buffer).
@@ -56,13 +59,15 @@ class Link:
     source: str = "given"
     #: goodput ÷ rate while two connections share the link (None: ``efficiency``)
     shared_efficiency: float | None = None
+    #: goodput ÷ rate of each direction while two ranks exchange (None: ``efficiency``)
+    exchange_efficiency: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.rate_bps > 0 and math.isfinite(self.rate_bps)):
             raise ValueError(f"link rate must be a positive number of bits/s (got {self.rate_bps})")
         if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
             raise ValueError(f"link latency must be >= 0 s (got {self.latency_s})")
-        for e in (self.efficiency, self.shared_efficiency or 1.0):
+        for e in (self.efficiency, self.shared_efficiency or 1.0, self.exchange_efficiency or 1.0):
             if not 0 < e <= 1:
                 raise ValueError(f"link efficiency must be in (0, 1] (got {e})")
 
@@ -71,10 +76,15 @@ class Link:
         """Goodput, bytes per second."""
         return self.rate_bps * self.efficiency / 8.0
 
-    def seconds(self, nbytes: float, shared: bool = False) -> float:
+    def seconds(self, nbytes: float, shared: bool = False, exchange: bool = False) -> float:
         """Wire time of ``nbytes`` (no latency); ``shared``: while another connection uses
-        the link too."""
-        eff = self.shared_efficiency if shared and self.shared_efficiency else self.efficiency
+        the link too; ``exchange``: while the receiver sends to the sender (the lower of the
+        two efficiencies where both hold)."""
+        eff = self.efficiency
+        if shared and self.shared_efficiency:
+            eff = self.shared_efficiency
+        if exchange and self.exchange_efficiency:
+            eff = min(eff, self.exchange_efficiency)
         return 8.0 * nbytes / (self.rate_bps * eff)
 
 

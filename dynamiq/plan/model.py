@@ -171,6 +171,7 @@ class _Msg:
     dst: int
     nbytes: int
     exact: bool = True  # the size is known before it arrives (else a length header first)
+    exchange: bool = False  # its round sends to the peer it receives from (a pairwise exchange)
     issued: float | None = None
     posted: float | None = None
     end: float | None = None  # last byte serialised (the send completes)
@@ -193,7 +194,7 @@ class _Net:
         # queued behind a message to another peer: two connections share the uplink
         shared = self.up[m.src] > ready and self.last_dst[m.src] not in (-1, m.dst)
         start = max(ready, self.up[m.src], self.down[m.dst])
-        m.end = start + link.seconds(m.nbytes, shared)
+        m.end = start + link.seconds(m.nbytes, shared, m.exchange)
         self.up[m.src] = self.down[m.dst] = m.end
         self.last_dst[m.src] = m.dst
         m.arrival = m.end + link.latency_s
@@ -253,7 +254,8 @@ def _make_msgs(plan: Any, pieces: Any, n: int) -> tuple[dict[tuple[Any, ...], _M
                 for j, (a, b) in enumerate(pieces[op.chunk]):
                     nb, ex = _piece_bytes(op.codec, a, b, op.ctx)
                     exact &= ex
-                    msgs[(r, rnd.send_to, k, op.chunk, j)] = _Msg(r, rnd.send_to, nb, ex)
+                    pair = rnd.send_to == rnd.recv_from
+                    msgs[(r, rnd.send_to, k, op.chunk, j)] = _Msg(r, rnd.send_to, nb, ex, pair)
     return msgs, exact
 
 

@@ -80,12 +80,22 @@ def named_link(name: str) -> Link:
 
 def emulated_link(rate_bps: float, table: str | None = None) -> tuple[Link, dict[str, Any]]:
     """The emulated cluster's link at ``rate_bps`` from a network calibration, and the
-    calibrated rate's summary (``send_per_byte_s``, ``two_streams_efficiency``...)."""
+    calibrated rate's summary (``send_per_byte_s``, ``two_streams_efficiency``,
+    ``exchange_efficiency``...)."""
     data, name = load_json(table, "emulated-network.json")
     if not isinstance(data, dict) or data.get("kind") != "dynamiq-plan-network":
         raise ValueError(f"{name}: not a `dynamiq plan calibrate --network` result")
     rates = data["rates"]
-    best = min(rates.values(), key=lambda s: abs(math.log(s["rate_bps"] / rate_bps)))
+    best = dict(min(rates.values(), key=lambda s: abs(math.log(s["rate_bps"] / rate_bps))))
+    if "exchange_efficiency" not in best and "exchange_fixed_partner_seconds" in best:
+        from .calibrate import exchange_efficiency  # a table made before it was recorded
+
+        best["exchange_efficiency"] = exchange_efficiency(
+            int(data["ranks"]),
+            int(best["stream_bytes"]),
+            float(best["exchange_fixed_partner_seconds"]),
+            float(best["rate_bps"]),
+        )
     link = Link(
         rate_bps,
         float(best["latency_s"]),

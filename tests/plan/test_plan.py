@@ -71,6 +71,32 @@ def test_efficiency_and_shared_links_scale_the_wire_time() -> None:
     assert bound <= p.seconds < 1.01 * bound
 
 
+def test_exchange_efficiency_applies_to_pairwise_rounds_only() -> None:
+    # butterfly's rounds send to the peer they receive from: their wire time scales by the
+    # exchange efficiency; a ring of 4 never exchanges, so it is unchanged
+    numel, rate, alpha = 1 << 16, 1e8, 2e-4
+    chunk = 4 * numel / 4
+    ex = Cluster(4, Link(rate, alpha, exchange_efficiency=0.8))
+    p = simulate("fp32", "butterfly", ex, numel, ZERO, LOCKSTEP, sub_chunk=numel)
+    assert p.seconds == pytest.approx(4 * alpha + 6 * 8 * chunk / (0.8 * rate), rel=1e-12)
+    plain = Cluster(4, Link(rate, alpha))
+    ring = simulate("fp32", "ring", plain, numel, ZERO, LOCKSTEP, sub_chunk=numel)
+    assert simulate("fp32", "ring", ex, numel, ZERO, LOCKSTEP, sub_chunk=numel).seconds == (
+        ring.seconds
+    )
+
+
+def test_exchange_efficiency_is_derived_from_the_fixed_partner_exchange() -> None:
+    # 4 ranks exchange S/2, S/4, S/4, S/2 back to back: 1.5 S bytes each way
+    from dynamiq.plan.calibrate import exchange_efficiency, exchange_sizes
+
+    size, bps = 1 << 20, 1e8
+    assert exchange_sizes(4, size) == [size // 2, size // 4, size // 4, size // 2]
+    assert exchange_sizes(6, size) == exchange_sizes(4, size)  # the power of two below
+    seconds = 8 * 1.5 * size / bps / 0.85
+    assert exchange_efficiency(4, size, seconds, bps) == pytest.approx(0.85, rel=1e-12)
+
+
 @pytest.mark.parametrize("schedule", ["ring", "butterfly"])
 @pytest.mark.parametrize("codec", ["bf16", "int8", "mxfp4", "dynamiq", "thc"])
 def test_bits_per_value_equal_the_engines_bytes(codec: str, schedule: str) -> None:
