@@ -80,7 +80,8 @@ def main() -> None:
         )
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"losses": losses, "comm_stats": state.stats if state else []}, f)
+                stats = state.stats if state else []
+                json.dump({"losses": losses, "seconds": seconds, "comm_stats": stats}, f)
     dist.destroy_process_group()
 
 
