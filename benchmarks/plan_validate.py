@@ -26,7 +26,10 @@ def rows_for(bench: dict[str, Any], kernels: str, network: str) -> list[dict[str
     out = []
     for run in bench["runs"]:
         rate = run["rate"]
-        measured = [r for r in run["rows"] if r["method"] == "dynamiq"]
+        # codec ids only: a configured codec (a dict) has no row in the kernel table
+        measured = [
+            r for r in run["rows"] if r["method"] == "dynamiq" and isinstance(r["codec"], str)
+        ]
         codecs = list(dict.fromkeys(r["codec"] for r in measured))
         schedules = list(dict.fromkeys(r["schedule"] for r in measured))
         pred = predict(
@@ -53,7 +56,8 @@ def rows_for(bench: dict[str, Any], kernels: str, network: str) -> list[dict[str
                     "measured s": r["seconds"],
                     "error %": 100 * (p["seconds"] - r["seconds"]) / r["seconds"],
                     "predicted bits/value": p["bits_per_value"],
-                    "measured bits/value": r["bits/value"],
+                    # (files of before the identifier keys: "bits/value")
+                    "measured bits/value": r.get("bits_per_value", r.get("bits/value")),
                     "load": run.get("load_average_1min"),
                 }
             )

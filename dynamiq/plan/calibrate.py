@@ -337,8 +337,8 @@ def _summarise_links(
         "exchange_fixed_partner_seconds": fixed_s,
         "exchange_switch_partner_seconds": switch_s,
         "switch_over_fixed": switch_s / fixed_s,
-        # each direction of a pairwise exchange: the efficiency of butterfly's rounds
-        "exchange_efficiency": exchange_efficiency(len(per_rank), size, fixed_s, bps),
+        # each direction of butterfly's pairwise exchanges (partners switching as in butterfly)
+        "exchange_efficiency": exchange_efficiency(len(per_rank), size, switch_s, bps),
         # the same bytes to two peers at once: the efficiency of two connections sharing a link
         "two_streams_seconds": two_s,
         "two_streams_efficiency": min(1.0, 8 * (size // 2 * 2) / two_s / bps),
@@ -347,7 +347,7 @@ def _summarise_links(
 
 
 def exchange_efficiency(n: int, size: int, seconds: float, bps: float) -> float:
-    """Goodput ÷ rate of each direction of the fixed-partner exchange of ``n`` ranks that took
+    """Goodput ÷ rate of each direction of an exchange pattern of ``n`` ranks that took
     ``seconds`` (its rounds back to back, :func:`exchange_sizes` of the stream's ``size``)."""
     return min(1.0, 8 * sum(exchange_sizes(n, size)) / seconds / bps)
 

@@ -8,8 +8,9 @@
   ``shared_efficiency`` replaces ``efficiency`` for a message queued behind one to another
   peer (two TCP connections then share the link: measured by the calibration's two streams),
   and ``exchange_efficiency`` for a message of a round in which the rank sends to the peer it
-  receives from (butterfly's pairwise exchanges, measured by the calibration's exchange with
-  a fixed partner: on the emulated cluster ~10 % slower per byte than a one-way stream).
+  receives from (butterfly's pairwise exchanges, measured by the calibration's exchange whose
+  partners switch as butterfly's do: on the emulated cluster 7-15 % slower per byte than a
+  one-way stream).
 * :class:`Cost`: ``overhead + per_value · numel`` seconds for one call of a kernel on
   ``numel`` values; :class:`CodecCost` has one for ``encode``, the fused ``reduce``,
   ``decode`` and a codec's ``prologue`` (on the whole buffer).

@@ -87,13 +87,13 @@ def emulated_link(rate_bps: float, table: str | None = None) -> tuple[Link, dict
         raise ValueError(f"{name}: not a `dynamiq plan calibrate --network` result")
     rates = data["rates"]
     best = dict(min(rates.values(), key=lambda s: abs(math.log(s["rate_bps"] / rate_bps))))
-    if "exchange_efficiency" not in best and "exchange_fixed_partner_seconds" in best:
+    if "exchange_efficiency" not in best and "exchange_switch_partner_seconds" in best:
         from .calibrate import exchange_efficiency  # a table made before it was recorded
 
         best["exchange_efficiency"] = exchange_efficiency(
             int(data["ranks"]),
             int(best["stream_bytes"]),
-            float(best["exchange_fixed_partner_seconds"]),
+            float(best["exchange_switch_partner_seconds"]),
             float(best["rate_bps"]),
         )
     link = Link(

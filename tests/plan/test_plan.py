@@ -86,7 +86,7 @@ def test_exchange_efficiency_applies_to_pairwise_rounds_only() -> None:
     )
 
 
-def test_exchange_efficiency_is_derived_from_the_fixed_partner_exchange() -> None:
+def test_exchange_efficiency_is_derived_from_the_exchange_patterns_bytes() -> None:
     # 4 ranks exchange S/2, S/4, S/4, S/2 back to back: 1.5 S bytes each way
     from dynamiq.plan.calibrate import exchange_efficiency, exchange_sizes
 
