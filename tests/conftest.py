@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import settings
 
 from dynamiq.testing.profiles import load_profile
 
@@ -32,3 +33,19 @@ def _children_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = old
+
+
+@pytest.fixture
+def quarter_examples() -> Iterator[None]:
+    """The test runs under a quarter of the profile's Hypothesis examples (at least 10): for
+    the conformance kit over frozen variants of a codec whose default configuration runs the
+    kit at the full count (`dev` 5, `ci` 50, `thorough` 500). The profile in force is restored
+    afterwards."""
+    before = settings.get_current_profile_name()
+    n = max(10, settings.default.max_examples // 4)
+    settings.register_profile("dynamiq-tests-quarter", parent=settings.default, max_examples=n)
+    settings.load_profile("dynamiq-tests-quarter")
+    try:
+        yield
+    finally:
+        settings.load_profile(before)

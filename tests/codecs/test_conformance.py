@@ -30,6 +30,7 @@ def test_registered_codec_conforms(name: str) -> None:
     run_conformance(name, fixtures_dir=FIXTURES)
 
 
+@pytest.mark.usefixtures("quarter_examples")  # variants: the defaults run the full count
 @pytest.mark.parametrize("config", EXTRA_CONFIGS, ids=lambda c: "-".join(map(str, c.values())))
 def test_extra_config_conforms(config: dict) -> None:
     run_conformance(config)

@@ -197,6 +197,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.usefixtures("quarter_examples")  # variants: the default runs the full count
 def test_extra_configs_conform(config: dict) -> None:
     run_conformance({"id": "omnireduce", **config})
     assert check_bound_tight(get_codec({"id": "omnireduce", **config})) >= 0.99

@@ -458,6 +458,7 @@ CONFIGS = [
     [pytest.param(CONFIGS[2], marks=pytest.mark.slow), *CONFIGS[3:5]],
     ids=str,
 )
+@pytest.mark.usefixtures("quarter_examples")  # variants: the default runs the full count
 def test_extra_configs_conform(config: dict) -> None:
     run_conformance({"id": "thc", **config})
 

@@ -184,16 +184,22 @@ def test_real_gradients_small_spans() -> None:
 
 
 @pytest.mark.parametrize(
-    "dtype",
-    # bf16 (~25 s in the interpreter) with -m slow: the other kernel tests cover bf16 inputs
-    [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
-    ids=["fp32", "bf16"],
+    ("dtype", "spans"),
+    # 40 spans and bf16 (~25 s each in the interpreter) with -m slow: the other kernel tests
+    # cover bf16 inputs; 12 spans keep the case (many spans of real values, a short last
+    # one) at a third of the time
+    [
+        (torch.float32, 12),
+        pytest.param(torch.float32, 40, marks=pytest.mark.slow),
+        pytest.param(torch.bfloat16, 40, marks=pytest.mark.slow),
+    ],
+    ids=["fp32-12", "fp32-40", "bf16-40"],
 )
-def test_default_config_real_gradients(dtype: torch.dtype) -> None:
-    """The default codec (spans of 256) on 40.4 spans of real gradients."""
+def test_default_config_real_gradients(dtype: torch.dtype, spans: int) -> None:
+    """The default codec (spans of 256) on ``spans`` + 0.4 spans of real gradients."""
     grads = load_slice()
     codec = get_codec("dynamiq")
-    n = 40 * codec.span + 100
+    n = spans * codec.span + 100
     x = grads[:3].reshape(-1)[:n].contiguous().to(DEVICE)
     local = grads[3:6].reshape(-1)[:n].contiguous().to(dtype).to(DEVICE)
     ctx = HopContext(seed=1, step=9, hop=0, num_hops=7, rank=3)
