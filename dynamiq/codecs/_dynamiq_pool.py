@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SHARED_KEY",
     "chunk_budgets",
+    "chunk_bytes",
     "shared_from_statistics",
     "span_budgets",
     "span_statistics",
@@ -330,6 +331,8 @@ class Pool:
     regions: tuple[tuple[int, int], ...]
     first: tuple[int, ...]
     budgets: dict[float, torch.Tensor] = field(default_factory=dict)
+    #: per bits/value, the container bytes of the spans before each span (and the total)
+    prefix: dict[float, list[int]] = field(default_factory=dict)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Pool):
@@ -442,15 +445,45 @@ def chunk_budgets(
     """Bytes of the containers of the spans of ``numel`` values at global ``offset`` (int64,
     CPU), or ``None`` when ``shared`` holds no pooling result (the uniform budget applies).
     The values must be whole spans of one region (or end it)."""
-    pool = shared.get(SHARED_KEY) if shared is not None else None
+    pool = _pool_of(shared)
     if pool is None:
         return None
-    if not isinstance(pool, Pool):
-        raise TypeError(f"dynamiq: shared[{SHARED_KEY!r}] is not this codec's prologue result")
-    span, regions = codec.span, pool.regions
-    end = offset + numel
     if numel == 0 and 0 <= offset <= pool.numel:
         return torch.zeros(0, dtype=torch.int64)
+    first = _first_span(codec, pool, numel, offset)
+    return span_budgets(pool, bits, codec.balance)[first : first + -(-numel // codec.span)]
+
+
+def chunk_bytes(
+    codec: DynamiqCodec, shared: Any, numel: int, offset: int, bits: float
+) -> int | None:
+    """``int(chunk_budgets(...).sum())`` (``None`` likewise), from prefix sums memoized in
+    the pool: what sizing a message costs, once per sub-chunk, without tensor work."""
+    pool = _pool_of(shared)
+    if pool is None:
+        return None
+    if numel == 0 and 0 <= offset <= pool.numel:
+        return 0
+    first = _first_span(codec, pool, numel, offset)
+    prefix = pool.prefix.get(bits)
+    if prefix is None:
+        budgets = span_budgets(pool, bits, codec.balance)
+        prefix = pool.prefix[bits] = [0, *torch.cumsum(budgets, 0).tolist()]
+    return prefix[first + -(-numel // codec.span)] - prefix[first]
+
+
+def _pool_of(shared: Any) -> Pool | None:
+    pool = shared.get(SHARED_KEY) if shared is not None else None
+    if pool is not None and not isinstance(pool, Pool):
+        raise TypeError(f"dynamiq: shared[{SHARED_KEY!r}] is not this codec's prologue result")
+    return pool
+
+
+def _first_span(codec: DynamiqCodec, pool: Pool, numel: int, offset: int) -> int:
+    """The index of the first of the spans of ``numel`` values at global ``offset``, which
+    must be whole spans of one region (or end it), else ``ValueError``."""
+    span, regions = codec.span, pool.regions
+    end = offset + numel
     starts = [a for a, _ in regions]
     r0 = bisect.bisect_right(starts, offset) - 1
     r1 = bisect.bisect_right(starts, end - 1) - 1
@@ -463,5 +496,4 @@ def chunk_budgets(
             f"regions of the buffer of {pool.numel} values (the prologue ran on another "
             f"buffer or cut?)"
         )
-    first = pool.first[r0] + (offset - regions[r0][0]) // span
-    return span_budgets(pool, bits, codec.balance)[first : first + -(-numel // span)]
+    return pool.first[r0] + (offset - regions[r0][0]) // span

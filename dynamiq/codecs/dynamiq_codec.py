@@ -414,9 +414,14 @@ class DynamiqCodec(Codec):
         return [0, *torch.cumsum(self._span_sizes(numel, budgets), 0).tolist()]
 
     def encoded_nbytes(self, numel: int, ctx: HopContext | None = None) -> int:
-        pooled = self._pooled_bytes(numel, ctx)
-        if pooled is not None:
-            return int(self._span_sizes(numel, pooled * 8).sum())
+        if self.pooling == "bucket" and ctx is not None and ctx.shared is not None:
+            pooled = _pool.chunk_bytes(self, ctx.shared, numel, ctx.offset, self._bits_at(ctx))
+            if pooled is not None:  # = _span_sizes(numel, budgets).sum(), without tensors
+                full, rest = divmod(numel, self.span)
+                spans = full + (1 if rest else 0)
+                head = sum(self._header_bytes(self.span))
+                last = sum(self._header_bytes(rest)) - head if rest else 0
+                return pooled + spans * head + last
         full, rest = divmod(numel, self.span)
         return full * self._span_bytes(self.span, ctx) + (
             self._span_bytes(rest, ctx) if rest else 0

@@ -79,6 +79,29 @@ def test_budgets_fit_and_balance(chunks) -> None:
     assert codec.encoded_nbytes(9001, ctx) == codec.encode(xs[1], ctx).numel()
 
 
+def test_chunk_bytes_equal_the_budgets_and_encoded_sizes() -> None:
+    """``encoded_nbytes`` sizes a pooled sub-chunk from memoized prefix sums: equal to the
+    sum of the spans' budgets and to the encoding's own size for every sub-chunk of every
+    region (whole spans, and each region's short last span), and it refuses a cut span."""
+    codec = DynamiqCodec()
+    chunks = [(0, 2560), (2560, 5120), (5120, 9001)]
+    xs = [grads(9001, s) for s in range(3)]
+    shared = prologue(codec, xs, chunks)[0]
+    ctx = HopContext(shared=shared)
+    for a, b in chunks:
+        for lo in range(a, b, 768):
+            hi = min(lo + 768, b)
+            sub = HopContext(shared=shared, offset=lo)
+            want = pool.chunk_budgets(codec, shared, hi - lo, lo, codec.bits)
+            assert pool.chunk_bytes(codec, shared, hi - lo, lo, codec.bits) == int(want.sum())
+            nbytes = codec.encoded_nbytes(hi - lo, sub)
+            assert nbytes == int(codec._span_sizes(hi - lo, want * 8).sum())
+            assert nbytes == codec.encode(xs[0][lo:hi].contiguous(), sub).numel()
+    with pytest.raises(ValueError, match="not whole spans"):
+        codec.encoded_nbytes(100, HopContext(shared=shared, offset=5))
+    assert codec.encoded_nbytes(0, ctx) == 0
+
+
 def test_demand_ignores_nonfinite_values() -> None:
     codec = DynamiqCodec()
     x = grads(4096)
