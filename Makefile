@@ -27,8 +27,15 @@ endif
 demo: $(STAMP)
 	$(VENV)/bin/dynamiq demo
 
+# pytest in two passes: the tests that start no torch.distributed processes on PYTEST_WORKERS
+# processes (pytest-xdist), then those that do (marker `distributed`) one at a time, since their
+# ranks and timeouts assume the cores to themselves. Both passes run; either failing fails.
+PYTEST_WORKERS ?= 2
+PYTEST = HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q
 test: lint
-	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(PY) -m pytest -q
+	$(PYTEST) -n $(PYTEST_WORKERS) -m 'not slow and not distributed'; a=$$?; \
+	$(PYTEST) -m 'distributed and not slow'; b=$$?; \
+	test $$a -eq 0 && test $$b -eq 0
 
 # the native CPU kernels' tests under AddressSanitizer: a debugging build of csrc/ (its own cache
 # entry) in a process with the compiler's libasan preloaded; any out-of-bounds access aborts
