@@ -25,6 +25,7 @@ SCRIPT = Path(__file__).parents[1] / "examples" / "train_lightning.py"
 STEPS = 6
 
 
+@pytest.mark.slow  # ~35 s of CPU: torchrun, 2 ranks importing torch and Lightning, 2 fits
 def test_lightning_ddp_hook_and_fsdp2_comm_train_on_two_gloo_ranks(tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     root = tmp_path / "root"
