@@ -1,8 +1,8 @@
 """``torch.compile`` with dynamiq's DDP hook and FSDP2 comm (docs/guide.md, "torch.compile").
 
 The model's forward is compiled; the gradient communication is not traced: DDP's reducer
-calls the hook from backward's autograd hooks, FSDP2 calls the comm from its post-backward
-hooks (which dynamo skips), so dynamiq runs eagerly between the compiled graphs. Each run
+calls the hook from backward's autograd hooks, FSDP2 calls the comm from its hooks, which it
+wraps in ``torch._dynamo.disable``, so dynamiq runs eagerly between the compiled graphs. Each run
 trains the tiny transformer on 2 gloo ranks, eager and compiled from the same start, and the
 losses must agree (the compiled graph may order floating-point operations differently: the
 stated tolerance) and fall.
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.distributed
 
 CFG = TrainConfig(d_model=32, n_layers=2, n_heads=4, seq_len=16, batch=4)
 STEPS = 3
-RTOL = 1e-4  # compiled against eager, per step (measured: <= 2e-5 with aot_eager)
+RTOL = 1e-4  # compiled against eager, per step (measured: <= 1.2e-5, aot_eager and inductor)
 
 
 def _wrap(kind: str, model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
