@@ -96,9 +96,38 @@ def _run(
     return out
 
 
+def _direct(rank: int, world: int) -> dict[str, Any]:
+    """The comm called outside backward (each call its own step): a finite call, then one
+    with +inf in rank 1's input, in rank 0's range."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import dynamiq.fsdp
+
+    model = build_model(CFG.model_config(), 0)
+    fully_shard(model)
+    # shard-local: rank 1's residual (of its own range) is finite, yet must not be stored
+    state = dynamiq.fsdp.compress(model, codec="int8", error_feedback="shard", threshold=0)
+    comm, s = state.comms["<root>"], 1000
+    x = torch.randn(world * s, generator=torch.Generator().manual_seed(rank))
+    out = torch.empty(s)
+    kept = []
+    for inp in (x, _bad_input(x, rank), x):
+        comm(out, inp.clone(), dist.group.WORLD, dist.ReduceOp.AVG)
+        kept.append((bool(torch.isfinite(out).all()), state.residuals["<root>"].clone()))
+    return {"kept": kept, "calls": dict(state.calls)}
+
+
+def _bad_input(x: torch.Tensor, rank: int) -> torch.Tensor:
+    bad = x.clone()
+    if rank == 1:
+        bad[0] = math.inf  # in rank 0's range
+    return bad
+
+
 def _job(rank: int, world: int, cases: list[tuple[str, Any]], dtype: Any) -> dict[str, Any]:
     warnings.simplefilter("ignore")
-    res = {}
+    res: dict[str, Any] = {"direct": _direct(rank, world)}
     for codec, mode in cases:
         key = f"{codec}/{mode}"
         res[key] = _run(rank, world, codec, mode, scaled=True, steps=3, dtype=dtype)
@@ -106,18 +135,41 @@ def _job(rank: int, world: int, cases: list[tuple[str, Any]], dtype: Any) -> dic
     return res
 
 
+BF16_CASES = [("int8", True), ("dynamiq", "shard")]
+
+
+@pytest.fixture(scope="module")
+def bf16() -> list[tuple[str, Any]]:
+    results = run_gloo(_job, 2, BF16_CASES, torch.bfloat16, timeout=300)
+    assert all(s == "ok" for s, _ in results), results
+    return results
+
+
+def test_direct_calls_outside_backward_are_steps_of_their_own(bf16: list) -> None:
+    for rank, (_, res) in enumerate(bf16):
+        (ok0, r0), (ok1, r1), (ok2, r2) = res["direct"]["kept"]
+        assert ok0 and ok2 and float(r0.abs().max()) > 0
+        assert ok1 == (rank == 1)  # the inf lands on rank 0's shard only
+        assert torch.equal(r1, r0), rank  # the non-finite call kept the residual, both ranks
+        assert bool(torch.isfinite(r2).all()) and not torch.equal(r2, r0)  # the next one did
+        assert res["direct"]["calls"] == {"<root>": 3}
+
+
 @pytest.mark.parametrize(
     ("cases", "dtype"),
     [
-        ([("int8", True), ("dynamiq", "shard")], torch.bfloat16),
+        (BF16_CASES, torch.bfloat16),
         pytest.param([("int8", "shard")], torch.float16, marks=pytest.mark.slow),
     ],
 )
 def test_overflow_step_keeps_residuals_and_scale_changes_keep_units(
-    cases: list[tuple[str, Any]], dtype: Any
+    cases: list[tuple[str, Any]], dtype: Any, request: pytest.FixtureRequest
 ) -> None:
-    results = run_gloo(_job, 2, cases, dtype, timeout=300)
-    assert all(s == "ok" for s, _ in results), results
+    if dtype == torch.bfloat16:
+        results = request.getfixturevalue("bf16")
+    else:
+        results = run_gloo(_job, 2, cases, dtype, timeout=300)
+        assert all(s == "ok" for s, _ in results), results
     for codec, mode in cases:
         key = f"{codec}/{mode}"
         for rank, (_, res) in enumerate(results):
