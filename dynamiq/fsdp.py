@@ -490,8 +490,9 @@ def compress(
     reduce-scatter; returns the :class:`FSDPState` (statistics, ``state_dict``).
 
     ``options``: the keyword arguments of :class:`FSDPState` (``process_group``,
-    ``error_feedback``, ``seed``, ``threshold``, ``sub_chunk``, ``timeout``, ``return_bound``,
-    ``schedule_options``, ``replicate_group``: compressed HSDP, see the module docstring).
+    ``error_feedback``, ``grad_scaler``: AMP, ``seed``, ``threshold``, ``sub_chunk``,
+    ``timeout``, ``return_bound``, ``schedule_options``, ``replicate_group``: compressed
+    HSDP, see the module docstring).
     Collective: call it on every rank, after ``fully_shard``; ranks that disagree on the
     configuration raise :class:`ConfigMismatchError` here.
     """
