@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from dynamiq.amp import StagedResiduals
 from dynamiq.codecs import Codec, get_codec
 from dynamiq.collectives.api import DEFAULT_THRESHOLD, allreduce
 from dynamiq.collectives.options import CollectiveOptions, OptionKeywords, merge_options
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["DynamiqState", "dynamiq_hook"]
 
 
-class DynamiqState:
+class DynamiqState(StagedResiduals):
     """State of :func:`dynamiq_hook`: the collective's configuration and per-bucket memory.
 
     Args:
@@ -68,7 +69,8 @@ class DynamiqState:
     the error itself (``PeerTimeoutError``, ``IntegrityError``, ...), to re-raise or inspect.
     ``close()`` stops the communication thread and closes the state's transport.
 
-    **Non-finite steps and loss scaling** (error feedback; docs/guide.md, "Mixed precision").
+    **Non-finite steps and loss scaling** (error feedback; ``dynamiq/amp.py``, docs/guide.md,
+    "AMP").
     A step in which the all-reduced result of any bucket holds NaN or ±Inf (a non-finite
     gradient on any rank: every built-in codec and schedule then gives a non-finite result on
     every rank, ``tests/test_ddp_nonfinite.py``, so all ranks agree without a message) leaves
@@ -82,19 +84,14 @@ class DynamiqState:
     after a run of good steps) never mixes units; :meth:`state_dict` holds unscaled residuals.
     """
 
-    __slots__ = (
-        "_lock",
-        "_pending",
+    __slots__ = (  # and StagedResiduals' (residuals, grad_scaler, ...)
         "_queue",
-        "_step_nonfinite",
         "_thread",
         "error_feedback",
-        "grad_scaler",
         "iter",
         "last_error",
         "options",
         "process_group",
-        "residuals",
         "stats",
         "transport",
     )
@@ -191,45 +188,6 @@ class DynamiqState:
         with self._lock:
             self.iter = int(state["iter"])
             self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
-            self._pending = {}
-            self._step_nonfinite = False
-
-    # -- error feedback --------------------------------------------------------------------
-
-    def _loss_scale(self, device: torch.device) -> torch.Tensor | None:
-        """The loss scale of this backward pass (a 1-element fp32 tensor, copied: GradScaler
-        updates its own in place), or ``None`` without an enabled ``grad_scaler``."""
-        scaler = self.grad_scaler
-        if scaler is None or not scaler.is_enabled():
-            return None
-        scale = getattr(scaler, "_scale", None)  # the tensor itself: no host sync
-        if scale is None:
-            scale = torch.tensor([scaler.get_scale()])
-        return scale.detach().to(device=device, dtype=torch.float32).reshape(1).clone()
-
-    def _stage_residual(
-        self, index: int, residual: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None
-    ) -> None:
-        """Hold bucket ``index``'s new residual (unscaled) until the step ends; a non-finite
-        all-reduced ``out`` marks the step non-finite, a non-finite residual is dropped (the
-        bucket keeps its old one)."""
-        if scale is not None:
-            residual = residual / scale
-        finite_out = bool(torch.isfinite(out).all())
-        finite_res = bool(torch.isfinite(residual).all())
-        with self._lock:
-            if not finite_out:
-                self._step_nonfinite = True
-            elif finite_res:
-                self._pending[index] = residual
-
-    def _end_step(self, failed: bool) -> None:
-        """After the step's last bucket (``failed``: one of its buckets raised): commit the
-        staged residuals unless a bucket of the step was non-finite, else keep them all as
-        they were before the step."""
-        with self._lock:
-            if not (failed or self._step_nonfinite):
-                self.residuals.update(self._pending)
             self._pending = {}
             self._step_nonfinite = False
 
@@ -349,7 +307,7 @@ def dynamiq_hook(
         scale = state._loss_scale(grad.device)
         old = state.residuals.get(index)
         if old is not None and old.numel() == numel:  # buckets are rebuilt after step 0
-            wanted = grad.float() + (old if scale is None else old * scale)  # kept unscaled
+            wanted = grad.float() + state._scaled(old, scale)  # kept unscaled
             work = wanted.to(grad.dtype)
             # a bf16/fp16 bucket cannot hold all of it: what the cast drops is kept too
             residual = wanted - work.float()

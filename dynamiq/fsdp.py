@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from dynamiq.amp import StagedResiduals
 from dynamiq.codecs import Codec, get_codec
 from dynamiq.collectives.api import (
     DEFAULT_THRESHOLD,
@@ -61,6 +62,7 @@ from dynamiq.collectives.api import (
     reduce_scatter,
 )
 from dynamiq.collectives.engine import agree
+from dynamiq.collectives.integrity import Status
 from dynamiq.collectives.options import CollectiveOptions, OptionKeywords, merge_options
 from dynamiq.collectives.schedules import Schedule, get_schedule
 from dynamiq.collectives.transport import TorchDistTransport
@@ -88,7 +90,7 @@ def _op_of(op: Any) -> tuple[str, float]:
     raise ValueError(f"dynamiq.fsdp: op must be SUM, AVG or PREMUL_SUM (got {op!r})")
 
 
-class FSDPState:
+class FSDPState(StagedResiduals):
     """Configuration, persistent transport, error-feedback memory and statistics of the
     comms :func:`compress` installs (one state for all FSDP modules of a model).
 
@@ -104,7 +106,17 @@ class FSDPState:
     :class:`~dynamiq.ddp.DynamiqState`; the codec defaults to ``"dynamiq"``.
     ``error_feedback``: ``False``, ``True`` (a residual the size of the unsharded gradient)
     or ``"shard"`` (the rank's own shard);
-    ``replicate_group``: compressed HSDP across replicas.
+    ``replicate_group``: compressed HSDP across replicas;
+    ``grad_scaler``: the ``torch.amp.GradScaler`` scaling the loss, so that error feedback
+    keeps its residuals unscaled.
+
+    **Non-finite steps and loss scaling** (error feedback): the DDP hook's policy
+    (``dynamiq/amp.py``). The residuals of a backward pass are staged and stored at its end
+    only if every FSDP module's reduced shard was finite *on every rank* (a reduce-scatter
+    leaves a NaN or ±Inf on the owner's shard only, so the ranks exchange one status message,
+    ``ceil(log2 n)`` rounds of 64 bytes, at the end of each backward with error feedback on);
+    else every residual stays as it was (GradScaler skips that step). Residuals are kept
+    unscaled. A comm called outside backward ends its own step.
     """
 
     def __init__(
@@ -116,6 +128,7 @@ class FSDPState:
         options: CollectiveOptions | None = None,
         error_feedback: bool | str = False,
         replicate_group: Any = None,
+        grad_scaler: Any = None,
         **keywords: Unpack[OptionKeywords],
     ):
         if error_feedback not in _EF_MODES:
@@ -132,6 +145,10 @@ class FSDPState:
             process_group = dist.new_group(backend=dist.get_backend())
         self.process_group = process_group
         self.transport = TorchDistTransport(process_group)
+        nccl = dist.get_backend(process_group) == "nccl"  # NCCL moves CUDA tensors only
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        )
         self.replicate_group = replicate_group
         self.replicate_transport = (
             TorchDistTransport(replicate_group) if replicate_group is not None else None
@@ -141,6 +158,10 @@ class FSDPState:
         _bounds_by_chunk(get_schedule(self.schedule, n, **self.schedule_options), [(0, 0)] * n)
         self.error_feedback = error_feedback
         self.residuals: dict[str, torch.Tensor] = {}
+        self.grad_scaler = grad_scaler
+        self._pending: dict[str, torch.Tensor] = {}  # this backward's residuals, not yet kept
+        self._step_nonfinite = False
+        self._step_task: int | None = None  # the backward whose residuals are staged
         self.calls: dict[str, int] = {}
         self.bounds: dict[str, torch.Tensor] = {}
         self.stats: list[dict[str, Any]] = []
@@ -226,6 +247,36 @@ class FSDPState:
         with self._lock:
             self.calls = {str(k): int(v) for k, v in state["calls"].items()}
             self.residuals = {str(k): v.clone() for k, v in state["residuals"].items()}
+            self._pending, self._step_nonfinite, self._step_task = {}, False, None
+
+    # -- the end of a step (error feedback) -----------------------------------------------
+
+    def _begin_call(self) -> None:
+        """Before a comm call with error feedback: inside backward, make sure the end of this
+        backward ends the step (a staged step whose backward failed is dropped)."""
+        task = torch._C._current_graph_task_id()  # -1 outside backward
+        if self._step_task is not None and self._step_task != task:
+            self._end_step(failed=True)  # its backward raised before its end
+            self._step_task = None
+        if task != -1 and self._step_task is None:
+            self._step_task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_step)
+
+    def _finish_step(self) -> None:
+        """End the step on every rank alike: merge the ranks' non-finite flags (one status
+        exchange), then commit or drop the staged residuals (``dynamiq/amp.py``)."""
+        self._step_task = None
+        status = Status(self.transport.rank)
+        if self._step_nonfinite:
+            status.record("nonfinite")
+        try:
+            status.exchange(self.transport, self.timeout, self.device)
+        except BaseException:
+            self._end_step(failed=True)
+            raise
+        with self._lock:
+            self._step_nonfinite = status.has("nonfinite")
+        self._end_step(failed=False)
 
 
 class DynamiqReduceScatter(ReduceScatter):
@@ -279,17 +330,63 @@ class DynamiqReduceScatter(ReduceScatter):
             step = st.calls.get(self.name, 0)
             st.calls[self.name] = step + 1
             old = st.residuals.get(self.name)
-        residual = None
+        residual = scale = None
         if st.error_feedback:
+            st._begin_call()
+            scale = st._loss_scale(x.device)  # residuals are kept unscaled
             x = x.float()  # fp32 in any case (the engine works on a copy: the input stays)
             if st.error_feedback == "shard":
                 if old is not None and old.numel() == s:
                     x = x.clone()
-                    x[r * s : (r + 1) * s] += old
+                    x[r * s : (r + 1) * s] += st._scaled(old, scale)
             elif old is not None and old.numel() == x.numel():
-                x = x + old
+                x = x + st._scaled(old, scale)
             residual = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
         codec = st.codec if x.numel() >= st.threshold else get_codec("fp32")
+        try:
+            shard = self._reduce(x, codec, step, s, n, residual)
+        except BaseException:
+            if residual is not None:
+                with st._lock:
+                    st._step_nonfinite = True  # keep no residual of a failed step
+                if st._step_task is None:
+                    st._end_step(failed=True)
+            raise
+        self._finish(output_tensor, shard, how, factor, n)
+        if residual is not None:
+            keep = (
+                residual[r * s : (r + 1) * s].clone() if st.error_feedback == "shard" else residual
+            )
+            st._stage_residual(self.name, keep, output_tensor, scale)
+            if st._step_task is None:  # called outside backward: its own step
+                st._finish_step()
+        stats = shard.stats
+        assert stats is not None
+        with st._lock:
+            st.stats.append(
+                {
+                    "module": self.name,
+                    "call": step,
+                    "op": how if factor == 1.0 else f"premul_sum({factor!r})",
+                    "numel": x.numel(),
+                    "codec": stats.codec,
+                    "bytes_sent": stats.bytes_sent,
+                    "bytes_received": stats.bytes_received,
+                    "seconds": {**stats.seconds, "comm_total": time.perf_counter() - t0},
+                }
+            )
+        return None
+
+    def _reduce(
+        self,
+        x: torch.Tensor,
+        codec: Codec,
+        step: int,
+        s: int,
+        n: int,
+        residual: torch.Tensor | None,
+    ) -> Shard:
+        st = self.state
         shard = reduce_scatter(
             x,
             codec,
@@ -307,29 +404,7 @@ class DynamiqReduceScatter(ReduceScatter):
             verify=st.options.verify,
         )
         assert isinstance(shard, Shard)  # synchronous
-        self._finish(output_tensor, shard, how, factor, n)
-        if residual is not None:
-            keep = (
-                residual[r * s : (r + 1) * s].clone() if st.error_feedback == "shard" else residual
-            )
-            with st._lock:
-                st.residuals[self.name] = keep
-        stats = shard.stats
-        assert stats is not None
-        with st._lock:
-            st.stats.append(
-                {
-                    "module": self.name,
-                    "call": step,
-                    "op": how if factor == 1.0 else f"premul_sum({factor!r})",
-                    "numel": x.numel(),
-                    "codec": stats.codec,
-                    "bytes_sent": stats.bytes_sent,
-                    "bytes_received": stats.bytes_received,
-                    "seconds": {**stats.seconds, "comm_total": time.perf_counter() - t0},
-                }
-            )
-        return None
+        return shard
 
     def _finish(self, out: torch.Tensor, shard: Shard, how: str, factor: float, n: int) -> None:
         """Scale the fp32 sum (AVG: ``/n``; PREMUL_SUM: ``×f``), round it to the output
@@ -415,8 +490,9 @@ def compress(
     reduce-scatter; returns the :class:`FSDPState` (statistics, ``state_dict``).
 
     ``options``: the keyword arguments of :class:`FSDPState` (``process_group``,
-    ``error_feedback``, ``seed``, ``threshold``, ``sub_chunk``, ``timeout``, ``return_bound``,
-    ``schedule_options``, ``replicate_group``: compressed HSDP, see the module docstring).
+    ``error_feedback``, ``grad_scaler``: AMP, ``seed``, ``threshold``, ``sub_chunk``,
+    ``timeout``, ``return_bound``, ``schedule_options``, ``replicate_group``: compressed
+    HSDP, see the module docstring).
     Collective: call it on every rank, after ``fully_shard``; ranks that disagree on the
     configuration raise :class:`ConfigMismatchError` here.
     """
@@ -446,7 +522,5 @@ def compress(
                     "shard it over the 1-D shard mesh"
                 )
             m.set_all_reduce_hook(ReplicaAllReduce(state, label, index))
-    nccl = dist.get_backend(state.process_group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    agree(state.transport, state.describe(), state.timeout, device)
+    agree(state.transport, state.describe(), state.timeout, state.device)
     return state
