@@ -763,13 +763,16 @@ struct BlkJob {
   int op, e_spec, s_spec;
   MxFormat e, s;
   int64_t bs;
-  float e_max, g_in, g_out;
+  float e_max, g_in, g_out, scale_div;  // scale_div = e_max * g_out (exact)
   uint32_t e_limit_bits;
   float s_limit;
   uint32_t s_nan;
 };
 
+// SSPEC: the scale format's specials at compile time, or -1: read at run time
+template <int SSPEC>
 inline float blk_scale_value(const BlkJob& j, uint32_t code) {
+  if (SSPEC >= 0) return mx_decode_element<SSPEC < 0 ? 0 : SSPEC>(code, j.s);
   switch (j.s_spec) {
     case SPEC_IEEE: return mx_decode_element<SPEC_IEEE>(code, j.s);
     case SPEC_FN: return mx_decode_element<SPEC_FN>(code, j.s);
@@ -777,8 +780,10 @@ inline float blk_scale_value(const BlkJob& j, uint32_t code) {
   }
 }
 
+template <int SSPEC>
 inline uint32_t blk_scale_code(const BlkJob& j, float t) {
   t = std::min(t, j.s_limit);
+  if (SSPEC >= 0) return mx_encode_element<SSPEC < 0 ? 0 : SSPEC>(t, 1.0f, j.s);
   switch (j.s_spec) {
     case SPEC_IEEE: return mx_encode_element<SPEC_IEEE>(t, 1.0f, j.s);
     case SPEC_FN: return mx_encode_element<SPEC_FN>(t, 1.0f, j.s);
@@ -786,52 +791,82 @@ inline uint32_t blk_scale_code(const BlkJob& j, float t) {
   }
 }
 
-// blocks [b0, b1) of a chunk whose first value is e0: decode into out, or encode (reduce:
-// decoded incoming codes cin plus the values src) into the scale bytes and the codes cout
-template <int ESPEC>
-void blk_chunk(const BlkJob& j, int64_t n, int64_t b0, int64_t b1, int64_t e0,
+// one block b of len values (BS: a compile-time length, vectorized, or 0 for len_) at s0 in
+// the chunk's buffers: decode into out, or encode (reduce: decoded incoming codes cin plus
+// the values src) into its scale byte and the codes cout
+template <int ESPEC, int SSPEC, int BS>
+inline void blk_block(const BlkJob& j, int64_t b, int64_t len_, const uint8_t* in_scales,
+                      uint8_t* out_scales, const float* __restrict src, float* __restrict v,
+                      const uint8_t* __restrict cin, uint8_t* __restrict c,
+                      float* __restrict out) {
+  const int64_t len = BS > 0 ? BS : len_;
+  if (j.op == 2) {
+    const float S = blk_scale_value<SSPEC>(j, in_scales[b]) * j.g_in;
+    for (int64_t i = 0; i < len; i++) out[i] = mx_decode_element<ESPEC>(cin[i], j.e) * S;
+    return;
+  }
+  uint32_t m = 0;
+  if (j.op == 1) {
+    const float S_in = blk_scale_value<SSPEC>(j, in_scales[b]) * j.g_in;
+    for (int64_t i = 0; i < len; i++) {
+      const float p = mx_decode_element<ESPEC>(cin[i], j.e) * S_in;
+      v[i] = p + src[i];
+      m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
+    }
+  } else {
+    for (int64_t i = 0; i < len; i++) {
+      v[i] = src[i];
+      m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
+    }
+  }
+  const bool finite = m < 0x7F800000u;
+  const float t = u2f(finite ? m : 0u) / j.scale_div;
+  const uint32_t sc = finite ? blk_scale_code<SSPEC>(j, t) : j.s_nan;
+  out_scales[b] = (uint8_t)sc;
+  const float S = blk_scale_value<SSPEC>(j, sc) * j.g_out;
+  if (!(finite && S > 0.0f)) {
+    std::memset(c, 0, (size_t)len);
+    return;
+  }
+  const uint32_t lim = j.e_limit_bits;
+  for (int64_t i = 0; i < len; i++) {
+    const uint32_t qb = f2u(v[i] / S);
+    const float q = u2f((qb & 0x80000000u) | std::min(qb & 0x7FFFFFFFu, lim));
+    c[i] = (uint8_t)mx_encode_element<ESPEC>(q, 1.0f, j.e);
+  }
+}
+
+// blocks [b0, b1) of a chunk whose first value is e0 (full blocks of 16 or 32: fixed-length
+// loops)
+template <int ESPEC, int SSPEC>
+void blk_chunk_spec(const BlkJob& j, int64_t n, int64_t b0, int64_t b1, int64_t e0,
                const uint8_t* in_scales, uint8_t* out_scales, const float* src, float* vals,
                const uint8_t* cin, uint8_t* cout, float* out) {
   const int64_t bs = j.bs;
   for (int64_t b = b0; b < b1; b++) {
     const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
-    if (j.op == 2) {
-      const float S = blk_scale_value(j, in_scales[b]) * j.g_in;
-      for (int64_t i = 0; i < len; i++)
-        out[b * bs + i] = mx_decode_element<ESPEC>(cin[s0 + i], j.e) * S;
-      continue;
-    }
-    float* v = vals + s0;
-    uint32_t m = 0;
-    if (j.op == 1) {
-      const float S_in = blk_scale_value(j, in_scales[b]) * j.g_in;
-      for (int64_t i = 0; i < len; i++) {
-        const float p = mx_decode_element<ESPEC>(cin[s0 + i], j.e) * S_in;
-        v[i] = p + src[s0 + i];
-        m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
-      }
-    } else {
-      for (int64_t i = 0; i < len; i++) {
-        v[i] = src[s0 + i];
-        m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
-      }
-    }
-    const bool finite = m < 0x7F800000u;
-    const float t = u2f(finite ? m : 0u) / (j.e_max * j.g_out);
-    const uint32_t sc = finite ? blk_scale_code(j, t) : j.s_nan;
-    out_scales[b] = (uint8_t)sc;
-    const float S = blk_scale_value(j, sc) * j.g_out;
-    uint8_t* c = cout + s0;
-    if (!(finite && S > 0.0f)) {
-      std::memset(c, 0, (size_t)len);
-      continue;
-    }
-    for (int64_t i = 0; i < len; i++) {
-      const uint32_t qb = f2u(v[i] / S);
-      const float q = u2f((qb & 0x80000000u) | std::min(qb & 0x7FFFFFFFu, j.e_limit_bits));
-      c[i] = (uint8_t)mx_encode_element<ESPEC>(q, 1.0f, j.e);
-    }
+    const float* x = src ? src + s0 : nullptr;
+    float* o = out ? out + b * bs : nullptr;
+    if (len == 16)
+      blk_block<ESPEC, SSPEC, 16>(j, b, len, in_scales, out_scales, x, vals + s0, cin + s0, cout + s0, o);
+    else if (len == 32)
+      blk_block<ESPEC, SSPEC, 32>(j, b, len, in_scales, out_scales, x, vals + s0, cin + s0, cout + s0, o);
+    else
+      blk_block<ESPEC, SSPEC, 0>(j, b, len, in_scales, out_scales, x, vals + s0, cin + s0, cout + s0, o);
   }
+}
+
+// the common scale format (E4M3, "fn") at compile time; others read at run time
+template <int ESPEC>
+void blk_chunk(const BlkJob& j, int64_t n, int64_t b0, int64_t b1, int64_t e0,
+               const uint8_t* in_scales, uint8_t* out_scales, const float* src, float* vals,
+               const uint8_t* cin, uint8_t* cout, float* out) {
+  if (j.s_spec == SPEC_FN)
+    blk_chunk_spec<ESPEC, SPEC_FN>(j, n, b0, b1, e0, in_scales, out_scales, src, vals, cin,
+                                   cout, out);
+  else
+    blk_chunk_spec<ESPEC, -1>(j, n, b0, b1, e0, in_scales, out_scales, src, vals, cin, cout,
+                              out);
 }
 
 }  // namespace
@@ -866,6 +901,7 @@ int dq_blk_run(dq_blk_args* a) {
   job.bs = bs;
   job.e_max = a->e_max;
   job.g_out = u2f(a->g_out_bits);
+  job.scale_div = job.e_max * job.g_out;
   job.g_in = 1.0f;
   if (hdr && a->op != 0) {
     uint32_t g;
