@@ -20,7 +20,9 @@ It covers :class:`~dynamiq.codecs.intq.IntCodec` (every ``bits``, ``block_size``
 ``rounding`` and ``scale_format``), the six MX codecs and
 :class:`~dynamiq.codecs.dynamiq_codec.DynamiqCodec` (every ``bits``, ``span``,
 ``super_group``, ``group``, ``levels``, ``rounding``, ``hop_slope``, ``pooled`` and
-``scale_steps``) and the pass-through codecs ``fp32``, ``bf16`` and ``fp16``, with
+``scale_steps``), the pass-through codecs ``fp32``, ``bf16`` and ``fp16``, and every
+declared block format the generic kernel implements (:class:`~dynamiq.codecs.BlockCodec`
+with ``fits_kernels()``: ``nvfp4``, plugins' subclasses; ``dq_blk_run``), with
 fp32/bf16/fp16 inputs. The results do not depend on the thread count.
 
 **Build.** The library is compiled the first time it is needed with the system C++ compiler
