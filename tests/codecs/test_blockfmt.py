@@ -188,3 +188,25 @@ def test_the_one_file_plugin_example_gets_native_kernels() -> None:
     assert "backend cpu" in out, out
     ratio = float(out.rsplit("=", 1)[1])
     assert 0 < ratio <= 1, out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_engine_prologue_matches_the_simulator(n: int) -> None:
+    """Over the engine's transports (its prologue all-reduces the absmax by the ring of
+    PrologueComm) every rank gets the simulator's bits."""
+    from dynamiq.collectives import allreduce, simulate_allreduce
+    from dynamiq.collectives.transport import LocalCluster, run_threads
+
+    xs = [_sample(1000, r) * 2.0 ** (5 * r) for r in range(n)]
+    want = simulate_allreduce(xs, "nvfp4", "ring", sub_chunk=64).outputs[0]
+    bufs = [x.clone() for x in xs]
+    cl = LocalCluster(n)
+    run_threads(
+        n,
+        lambda r: allreduce(
+            bufs[r], "nvfp4", "ring", sub_chunk=64, threshold=0, transport=cl.transport(r)
+        ),
+    )
+    for got in bufs:  # reduced in place
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(bufs[0], xs[0])
