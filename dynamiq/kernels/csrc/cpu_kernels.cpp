@@ -791,20 +791,26 @@ inline uint32_t blk_scale_code(const BlkJob& j, float t) {
   }
 }
 
-// one block b of len values (BS: a compile-time length, vectorized, or 0 for len_) at s0 in
-// the chunk's buffers: decode into out, or encode (reduce: decoded incoming codes cin plus
-// the values src) into its scale byte and the codes cout
+// Encoding a chunk takes three passes over its blocks, as for the INT and MX codecs, so that
+// the latency of one block's scale overlaps the work of the others: (1) the values (reduce:
+// decoded incoming codes cin plus the values src) and their absmax, (2) the scales, (3) the
+// codes. BS: a compile-time block length (vectorized fixed-length loops), or 0 for len_.
+
+// decode of block b into out
 template <int ESPEC, int SSPEC, int BS>
-inline void blk_block(const BlkJob& j, int64_t b, int64_t len_, const uint8_t* in_scales,
-                      uint8_t* out_scales, const float* __restrict src, float* __restrict v,
-                      const uint8_t* __restrict cin, uint8_t* __restrict c,
-                      float* __restrict out) {
+inline void blk_decode_block(const BlkJob& j, int64_t b, int64_t len_, const uint8_t* in_scales,
+                             const uint8_t* __restrict cin, float* __restrict out) {
   const int64_t len = BS > 0 ? BS : len_;
-  if (j.op == 2) {
-    const float S = blk_scale_value<SSPEC>(j, in_scales[b]) * j.g_in;
-    for (int64_t i = 0; i < len; i++) out[i] = mx_decode_element<ESPEC>(cin[i], j.e) * S;
-    return;
-  }
+  const float S = blk_scale_value<SSPEC>(j, in_scales[b]) * j.g_in;
+  for (int64_t i = 0; i < len; i++) out[i] = mx_decode_element<ESPEC>(cin[i], j.e) * S;
+}
+
+// pass 1 for block b: its values in v and the integer max of their magnitude bits
+template <int ESPEC, int SSPEC, int BS>
+inline uint32_t blk_values_block(const BlkJob& j, int64_t b, int64_t len_,
+                                 const uint8_t* in_scales, const float* __restrict src,
+                                 float* __restrict v, const uint8_t* __restrict cin) {
+  const int64_t len = BS > 0 ? BS : len_;
   uint32_t m = 0;
   if (j.op == 1) {
     const float S_in = blk_scale_value<SSPEC>(j, in_scales[b]) * j.g_in;
@@ -813,18 +819,32 @@ inline void blk_block(const BlkJob& j, int64_t b, int64_t len_, const uint8_t* i
       v[i] = p + src[i];
       m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
     }
-  } else {
-    for (int64_t i = 0; i < len; i++) {
-      v[i] = src[i];
-      m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
-    }
+    return m;
   }
+  for (int64_t i = 0; i < len; i++) {
+    v[i] = src[i];
+    m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
+  }
+  return m;
+}
+
+// pass 2: the scale byte of a block with absmax bits m, and S (0 where the codes are 0)
+template <int SSPEC>
+inline float blk_scale_block(const BlkJob& j, uint32_t m, uint8_t* scale_byte) {
   const bool finite = m < 0x7F800000u;
   const float t = u2f(finite ? m : 0u) / j.scale_div;
   const uint32_t sc = finite ? blk_scale_code<SSPEC>(j, t) : j.s_nan;
-  out_scales[b] = (uint8_t)sc;
+  *scale_byte = (uint8_t)sc;
   const float S = blk_scale_value<SSPEC>(j, sc) * j.g_out;
-  if (!(finite && S > 0.0f)) {
+  return finite && S > 0.0f ? S : 0.0f;
+}
+
+// pass 3 for a block with scale S: its codes
+template <int ESPEC, int BS>
+inline void blk_codes_block(const BlkJob& j, int64_t len_, const float* __restrict v, float S,
+                            uint8_t* __restrict c) {
+  const int64_t len = BS > 0 ? BS : len_;
+  if (!(S > 0.0f)) {
     std::memset(c, 0, (size_t)len);
     return;
   }
@@ -836,23 +856,42 @@ inline void blk_block(const BlkJob& j, int64_t b, int64_t len_, const uint8_t* i
   }
 }
 
-// blocks [b0, b1) of a chunk whose first value is e0 (full blocks of 16 or 32: fixed-length
-// loops)
+// blocks [b0, b1) (at most 512) of a chunk whose first value is e0: decode into out, or the
+// three passes (values src, incoming codes cin, outgoing codes cout)
 template <int ESPEC, int SSPEC>
 void blk_chunk_spec(const BlkJob& j, int64_t n, int64_t b0, int64_t b1, int64_t e0,
-               const uint8_t* in_scales, uint8_t* out_scales, const float* src, float* vals,
-               const uint8_t* cin, uint8_t* cout, float* out) {
+                    const uint8_t* in_scales, uint8_t* out_scales, const float* src, float* vals,
+                    const uint8_t* cin, uint8_t* cout, float* out) {
   const int64_t bs = j.bs;
-  for (int64_t b = b0; b < b1; b++) {
+  if (j.op == 2) {
+    for (int64_t b = b0; b < b1; b++) {
+      const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
+      float* o = out + b * bs;
+      if (len == 16) blk_decode_block<ESPEC, SSPEC, 16>(j, b, len, in_scales, cin + s0, o);
+      else if (len == 32) blk_decode_block<ESPEC, SSPEC, 32>(j, b, len, in_scales, cin + s0, o);
+      else blk_decode_block<ESPEC, SSPEC, 0>(j, b, len, in_scales, cin + s0, o);
+    }
+    return;
+  }
+  uint32_t amax[512];
+  float scale[512];
+  for (int64_t b = b0; b < b1; b++) {  // pass 1
     const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
-    const float* x = src ? src + s0 : nullptr;
-    float* o = out ? out + b * bs : nullptr;
-    if (len == 16)
-      blk_block<ESPEC, SSPEC, 16>(j, b, len, in_scales, out_scales, x, vals + s0, cin + s0, cout + s0, o);
-    else if (len == 32)
-      blk_block<ESPEC, SSPEC, 32>(j, b, len, in_scales, out_scales, x, vals + s0, cin + s0, cout + s0, o);
-    else
-      blk_block<ESPEC, SSPEC, 0>(j, b, len, in_scales, out_scales, x, vals + s0, cin + s0, cout + s0, o);
+    const float* x = src + s0;
+    float* v = vals + s0;
+    const uint8_t* c = cin + s0;
+    amax[b - b0] = len == 16   ? blk_values_block<ESPEC, SSPEC, 16>(j, b, len, in_scales, x, v, c)
+                   : len == 32 ? blk_values_block<ESPEC, SSPEC, 32>(j, b, len, in_scales, x, v, c)
+                               : blk_values_block<ESPEC, SSPEC, 0>(j, b, len, in_scales, x, v, c);
+  }
+  for (int64_t b = b0; b < b1; b++)  // pass 2
+    scale[b - b0] = blk_scale_block<SSPEC>(j, amax[b - b0], out_scales + b);
+  for (int64_t b = b0; b < b1; b++) {  // pass 3
+    const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
+    const float S = scale[b - b0];
+    if (len == 16) blk_codes_block<ESPEC, 16>(j, len, vals + s0, S, cout + s0);
+    else if (len == 32) blk_codes_block<ESPEC, 32>(j, len, vals + s0, S, cout + s0);
+    else blk_codes_block<ESPEC, 0>(j, len, vals + s0, S, cout + s0);
   }
 }
 
