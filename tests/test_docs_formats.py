@@ -419,7 +419,7 @@ def test_mx_table() -> None:
 
 
 def code_bits(codec) -> int | None:
-    element = getattr(codec, "element", None)
+    element = getattr(codec, "elem", None) or getattr(codec, "element", None)
     if element is not None:
         return element.bits
     return getattr(codec, "bits", None)
@@ -465,6 +465,48 @@ def oracle_mx(codec, x: np.ndarray, data: bytes) -> list[float]:
                 want = int(np.array([v]).astype(getattr(ml_dtypes, f.name)).view(np.uint8)[0])
         assert codes[i] == want, f"element {i}: code 0x{codes[i]:02x}, expected 0x{want:02x}"
         out.append(ml_value(f.name, codes[i]) * 2.0**shared)
+    return out
+
+
+def oracle_block(codec, x: np.ndarray, data: bytes, ctx: HopContext) -> list[float]:
+    """Recompute a block-format payload (rule "nearest", docs/formats.md) with ml_dtypes;
+    returns its decoded values."""
+    fe, fs = codec.elem, codec.scale_fmt
+    n, bs = x.size, codec.block_size
+    head = 4 if codec.tensor_scale and n else 0
+    shared = ctx.shared or {}
+    if "block.tensor_amax" in shared:
+        a = float(np.array([shared["block.tensor_amax"]], np.int32).view(np.float32)[0])
+        c = ctx.contributions
+    else:
+        fin = x[np.isfinite(x)]
+        a, c = (float(np.abs(fin).max()) if fin.size else 0.0), 1
+    top = math.floor(math.log2(fe.max * fs.max))
+    e = math.frexp(a)[1] - 1 if a > 0 else -150
+    k = min(max(e + 1 + math.ceil(math.log2(c)) - top, -117), 127 - top - 1)
+    g = 2.0**k if head else 1.0
+    if head:
+        assert np.frombuffer(data[:4], "<f4")[0] == g, "tensor scale"
+    nb = -(-n // bs)
+    codes = ref_unpack(data[head + nb :], fe.bits, n)
+    out = []
+    for j in range(nb):
+        blk = x[j * bs : (j + 1) * bs]
+        code = data[head + j]
+        if not np.isfinite(blk).all():
+            assert code == fs.nan_code, f"block {j}: NaN scale expected"
+            out += [math.nan] * blk.size
+            continue
+        t = np.float32(np.abs(blk).max()) / np.float32(fe.max * g)
+        s8 = np.array([min(t, fs.max)], np.float32).astype(getattr(ml_dtypes, fs.name))
+        assert code == int(s8.view(np.uint8)[0]), f"block {j}: scale byte 0x{code:02x}"
+        S = float(s8.astype(np.float64)[0]) * g
+        for i in range(j * bs, j * bs + blk.size):
+            q = np.float32(x[i]) / np.float32(S) if S > 0 else np.float32(0)
+            q = np.clip(q, -fe.max, fe.max)
+            want = int(np.array([q]).astype(getattr(ml_dtypes, fe.name)).view(np.uint8)[0])
+            assert codes[i] == want, f"element {i}: code 0x{codes[i]:x}, expected 0x{want:x}"
+            out.append(ml_value(fe.name, codes[i]) * S)
     return out
 
 
@@ -569,6 +611,8 @@ def test_payload_block(block: Block) -> None:
         return
     if codec.codec_id in MX_CODECS:
         ref = oracle_mx(codec, xn, expected)
+    elif codec.codec_id == "block":
+        ref = oracle_block(codec, xn, expected, ctx)
     else:
         assert codec.codec_id == "int", block.id
         ref = oracle_int(codec, xn, expected, ctx)

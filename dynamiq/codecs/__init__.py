@@ -5,6 +5,7 @@
 """
 
 from .base import Codec, ErrorBound, HopContext
+from .blockfmt import BlockCodec
 from .dynamiq_codec import DynamiqCodec
 from .formats import ELEMENT_FORMATS, ElementFormat, get_format
 from .intq import IntCodec
@@ -30,6 +31,7 @@ __all__ = [
     "MXFP8E5M2",
     "MXINT8",
     "BF16Codec",
+    "BlockCodec",
     "Codec",
     "DynamiqCodec",
     "ElementFormat",

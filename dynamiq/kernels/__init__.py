@@ -10,7 +10,8 @@ Implements docs/design.md, "Kernels". :func:`encode`, :func:`decode` and :func:`
   if it is not imported yet, this sets ``TRITON_INTERPRET=1`` for the process (``"auto"``
   ignores that setting); if it was imported without it, CPU tensors raise. Raises if Triton
   is not installed or the codec has no kernel for the operation;
-* ``"cpu"``: the native CPU kernels of the pass-through, INT, MX and DynamiQ codecs
+* ``"cpu"``: the native CPU kernels of the pass-through, INT, MX, DynamiQ and block-format
+  codecs
   (:mod:`dynamiq.kernels.cpu_native`: C++ built once per machine and cached, bit-exact with
   the reference). Raises if they cannot be built or the codec has none;
 * ``"auto"`` (what :class:`~dynamiq.codecs.Codec`'s own methods use): Triton for CUDA tensors,
@@ -21,8 +22,11 @@ Implements docs/design.md, "Kernels". :func:`encode`, :func:`decode` and :func:`
 
 Every built-in codec has Triton kernels, bit-exact with its reference:
 :mod:`dynamiq.kernels.passthrough` (``fp32``/``bf16``/``fp16``), :mod:`~dynamiq.kernels.intq`,
-:mod:`~dynamiq.kernels.mx`, :mod:`~dynamiq.kernels.dynamiq`, :mod:`~dynamiq.kernels.thc` and
-:mod:`~dynamiq.kernels.omnireduce`. Plugin codecs add theirs with :func:`register_kernels`.
+:mod:`~dynamiq.kernels.mx`, :mod:`~dynamiq.kernels.dynamiq`, :mod:`~dynamiq.kernels.thc`,
+:mod:`~dynamiq.kernels.omnireduce` and :mod:`~dynamiq.kernels.block` (every codec that
+declares ``kernel_family = "block"``, :mod:`dynamiq.kernels._declared`: the block formats of
+:mod:`dynamiq.codecs.blockfmt`, plugins' included). Plugin codecs add others with
+:func:`register_kernels`.
 Kernels belong to a class, not to its subclasses (a subclass may change what the reference
 computes): a subclass runs on its reference until it registers kernels itself.
 
@@ -60,6 +64,7 @@ import torch
 
 from . import _compiled, cpu_native
 from ._compiled import set_cpu_compile
+from ._declared import declared_family
 from ._stats import launch_counts
 from .cpu_native import set_cpu_kernels
 
@@ -161,7 +166,7 @@ def has_kernels(codec: Codec, op: str | None = None) -> bool:
     if cls in _PLUGINS:
         ks = _PLUGINS[cls]
         return any(getattr(ks, o) is not None for o in ([op] if op else _OPS))
-    return _builtin_module(cls) is not None
+    return _builtin_module(cls) is not None or declared_family(codec) is not None
 
 
 def last_backend() -> str | None:
@@ -268,7 +273,7 @@ def _compilable(codec: Codec) -> bool:
     # built-in references that do not read the hop context (no recompilation per context;
     # DynamiQ's budget and span loop read it)
     if _builtin_module(type(codec)) in (None, "dynamiq"):
-        return False
+        return False  # (declared families read the prologue's result: not compiled either)
     return getattr(codec, "rounding", "nearest") == "nearest"
 
 
@@ -350,7 +355,7 @@ def _kernel(codec: Codec, op: str, device: torch.device) -> Any:
     cls = type(codec)
     if cls in _PLUGINS:
         return getattr(_PLUGINS[cls], op)
-    name = _builtin_module(cls)
+    name = _builtin_module(cls) or declared_family(codec)
     if name is None:
         return None
     return getattr(_builtin(name, interpret=device.type == "cpu"), op)

@@ -20,7 +20,9 @@ It covers :class:`~dynamiq.codecs.intq.IntCodec` (every ``bits``, ``block_size``
 ``rounding`` and ``scale_format``), the six MX codecs and
 :class:`~dynamiq.codecs.dynamiq_codec.DynamiqCodec` (every ``bits``, ``span``,
 ``super_group``, ``group``, ``levels``, ``rounding``, ``hop_slope``, ``pooled`` and
-``scale_steps``) and the pass-through codecs ``fp32``, ``bf16`` and ``fp16``, with
+``scale_steps``), the pass-through codecs ``fp32``, ``bf16`` and ``fp16``, and every
+declared block format the generic kernel implements (:class:`~dynamiq.codecs.BlockCodec`
+with ``fits_kernels()``: ``nvfp4``, plugins' subclasses; ``dq_blk_run``), with
 fp32/bf16/fp16 inputs. The results do not depend on the thread count.
 
 **Build.** The library is compiled the first time it is needed with the system C++ compiler
@@ -118,7 +120,7 @@ _LINK = ("-pthread",)
 #: ``DYNAMIQ_CPU_SANITIZE=address``: a debugging build under AddressSanitizer (its own cache
 #: entry); the process must preload the compiler's libasan: ``make sanitize`` does both
 _SANITIZE = {"address": ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address")}
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 
 
 class CPUKernelsUnavailableWarning(RuntimeWarning):
@@ -156,6 +158,10 @@ class _IntArgs(ctypes.Structure):
     ]
 
 
+#: an element format's integer parameters, in the order of the C structs (``_mx_format``)
+_FORMAT_FIELDS = ("specials", "nmant", "bias", "bits", "max_code", "nan_code", "inf_code", "emax")
+
+
 class _MXArgs(ctypes.Structure):
     _fields_ = [  # the C struct dq_mx_args
         *_COMMON_FIELDS,
@@ -167,6 +173,19 @@ class _MXArgs(ctypes.Structure):
         ("nan_code", ctypes.c_int32),
         ("inf_code", ctypes.c_int32),
         ("emax", ctypes.c_int32),
+        ("nthreads", ctypes.c_int32),
+    ]
+
+
+class _BlkArgs(ctypes.Structure):
+    _fields_ = [  # the C struct dq_blk_args (csrc/cpu_kernels.cpp)
+        *_COMMON_FIELDS,
+        ("block_size", ctypes.c_int64),
+        *[(f"e_{k}", ctypes.c_int32) for k in _FORMAT_FIELDS],
+        *[(f"s_{k}", ctypes.c_int32) for k in _FORMAT_FIELDS if k not in ("bits", "inf_code")],
+        ("header", ctypes.c_int32),
+        ("g_out_bits", ctypes.c_uint32),
+        ("e_max", ctypes.c_float),
         ("nthreads", ctypes.c_int32),
     ]
 
@@ -385,6 +404,8 @@ def _open() -> ctypes.CDLL:
     lib.dq_mx_run.restype = ctypes.c_int
     lib.dq_dyn_run.argtypes = [ctypes.POINTER(_DynArgs)]
     lib.dq_dyn_run.restype = ctypes.c_int
+    lib.dq_blk_run.argtypes = [ctypes.POINTER(_BlkArgs)]
+    lib.dq_blk_run.restype = ctypes.c_int
     lib.dq_pt_run.argtypes = [ctypes.POINTER(_PTArgs)]
     lib.dq_pt_run.restype = ctypes.c_int
     lib.dq_dyn_group_absmax.argtypes = [
@@ -410,10 +431,16 @@ def available() -> bool:
 
 def _family(codec: Codec) -> str | None:
     """``"int"``, ``"mx"``, ``"dynamiq"`` or ``"passthrough"`` for the built-in classes
-    (exactly: a subclass may change what its reference computes), else ``None``."""
+    (exactly: a subclass may change what its reference computes), the family a codec declares
+    (``"block"``: :mod:`dynamiq.kernels._declared`), else ``None``."""
     from dynamiq.codecs import dynamiq_codec, intq, mx, passthrough
 
+    from ._declared import declared_family
+
     cls = type(codec)
+    declared = declared_family(codec)
+    if declared is not None:
+        return declared
     if cls is intq.IntCodec:
         return "int"
     if cls in (mx.MXFP8E4M3, mx.MXFP8E5M2, mx.MXFP6E3M2, mx.MXFP6E2M3, mx.MXFP4, mx.MXINT8):
@@ -492,6 +519,8 @@ def _run(codec: Codec, op: str, n: int, **ptrs: Any) -> None:
             **ptrs,
         )
         _check_status(lib.dq_pt_run(ctypes.byref(pargs)))
+    elif family == "block":
+        _run_block(lib, codec, op, n, **ptrs)
     elif family == "int":
         from dynamiq.codecs.intq import IntCodec
 
@@ -534,6 +563,47 @@ def _run(codec: Codec, op: str, n: int, **ptrs: Any) -> None:
         )
         _check_status(lib.dq_mx_run(ctypes.byref(margs)))
     record_launch(f"cpu_{family}_{op}")
+
+
+def _run_block(
+    lib: ctypes.CDLL,
+    codec: Any,
+    op: str,
+    n: int,
+    *,
+    ctx: HopContext,
+    in_ctx: HopContext | None = None,
+    g_exp: int | None = None,
+    **ptrs: Any,
+) -> None:
+    """One ``dq_blk_run`` call (a declared block format): ``g_exp`` the outgoing payload's
+    tensor-scale exponent (encode, reduce)."""
+    e = _mx_format(codec.elem)
+    s = _mx_format(codec.scale_fmt)
+    args = _BlkArgs(
+        op=_OP[op],
+        n=n,
+        block_size=codec.block_size,
+        **{f"e_{k}": v for k, v in e.items()},
+        **{f"s_{k}": v for k, v in s.items() if k not in ("bits", "inf_code")},
+        header=codec.header_nbytes(n),
+        g_out_bits=_f32_bits(2.0 ** (g_exp or 0)),
+        e_max=codec.elem.max,
+        nthreads=_threads(n),
+        **ptrs,
+    )
+    _check_status(lib.dq_blk_run(ctypes.byref(args)))
+
+
+def _block_exp(codec: Any, x: torch.Tensor, ctx: HopContext, total: Any = None) -> int:
+    """The outgoing tensor-scale exponent: from the prologue's result, else from the values'
+    absmax (``total()``: the fused reduce's sum, computed first outside a collective)."""
+    from dynamiq.codecs.blockfmt import TENSOR_AMAX_KEY, finite_absmax_bits
+
+    shared = ctx.shared
+    if not codec.tensor_scale or (shared is not None and TENSOR_AMAX_KEY in shared):
+        return codec.tensor_exp_of(x, ctx)
+    return codec.tensor_exp(finite_absmax_bits(total() if total is not None else x), 1)
 
 
 def _run_dynamiq(
@@ -723,10 +793,11 @@ def encode(codec: Codec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         check_range(x, ctx)
     n = x.numel()
     out = torch.empty(codec.encoded_nbytes(n, ctx) or 0, dtype=torch.uint8)
+    extra = {"g_exp": _block_exp(codec, x, ctx)} if _family(codec) == "block" else {}
     if n:
         _run(
             codec, "encode", n, ctx=ctx, in_kind=_KIND[x.dtype], x=x.data_ptr(),
-            out=out.data_ptr(),
+            out=out.data_ptr(), **extra,
         )  # fmt: skip
     return out
 
@@ -755,7 +826,12 @@ def reduce(
     n = local.numel()
     _check_payload(codec, payload, n, ctx)
     out = torch.empty(codec.encoded_nbytes(n, out_ctx) or 0, dtype=torch.uint8)
-    extra = {"in_ctx": ctx} if _family(codec) == "dynamiq" else {}
+    family = _family(codec)
+    extra: dict[str, Any] = {"in_ctx": ctx} if family in ("dynamiq", "block") else {}
+    if family == "block":
+        extra["g_exp"] = _block_exp(
+            codec, local, out_ctx, lambda: decode(codec, payload, n, ctx) + local.float()
+        )
     if n:
         _run(
             codec, "reduce", n, ctx=out_ctx, in_kind=_KIND[local.dtype], x=local.data_ptr(),

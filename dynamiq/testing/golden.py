@@ -74,6 +74,21 @@ EXTRA_FIXTURES: dict[str, dict[str, Any]] = {
         "prologue": {"ranks": 3},
         "input_block": 1024,
     },
+    "nvfp4_prologue": {
+        "codec": {"id": "nvfp4"},
+        "ctx": {"hop": 1, "num_hops": 2, "contributions": 2},
+        "prologue": {"ranks": 3},
+    },
+    "block_e4m3_b32_e5m2": {
+        "codec": {
+            "id": "block",
+            "element": "float8_e4m3fn",
+            "block_size": 32,
+            "scale": "float8_e5m2",
+            "tensor_scale": False,
+        },
+        "ctx": {},
+    },
     "dynamiq_uniform_stochastic": {
         "codec": {
             "id": "dynamiq",

@@ -745,8 +745,267 @@ int dq_mx_run(dq_mx_args* a) {
   return parallel_tiles(nblocks, nt, work) ? 0 : 1;
 }
 
-// The layout version of the argument structures (dq_int_args, dq_mx_args and dynamiq_kernels.cpp's
-// dq_dyn_args) and of the functions' signatures, checked when the library loads.
-int dq_abi_version(void) { return 5; }
+}  // extern "C"
+
+// -- declarative block formats (dynamiq/codecs/blockfmt.py, scale_rule "nearest") -----------
+//
+// Generic over the declared data: element format (4 or 8 bits), block size B (a power of two,
+// 8..128: a block's codes fill whole bytes), an 8-bit float scale format and the fp32 tensor
+// scale G in front of the payload. Per block: t = b / (Me * G) (IEEE division; Me * G exact),
+// s = t rounded to nearest-even in the scale format (t clamped to 2^(emax + 1) first, which
+// saturates as the reference does), S = s * G (exact); elements q = x / S rounded likewise
+// (mx_encode_element with a unit scale); a block whose scale is 0 gets codes 0, a NaN/Inf
+// block the scale format's NaN code and codes 0. Decoding is element * S (exact).
+
+namespace {
+
+struct BlkJob {
+  int op, e_spec, s_spec;
+  MxFormat e, s;
+  int64_t bs;
+  float e_max, g_in, g_out, scale_div;  // scale_div = e_max * g_out (exact)
+  uint32_t e_limit_bits;
+  float s_limit;
+  uint32_t s_nan;
+};
+
+// SSPEC: the scale format's specials at compile time, or -1: read at run time
+template <int SSPEC>
+inline float blk_scale_value(const BlkJob& j, uint32_t code) {
+  if (SSPEC >= 0) return mx_decode_element<SSPEC < 0 ? 0 : SSPEC>(code, j.s);
+  switch (j.s_spec) {
+    case SPEC_IEEE: return mx_decode_element<SPEC_IEEE>(code, j.s);
+    case SPEC_FN: return mx_decode_element<SPEC_FN>(code, j.s);
+    default: return mx_decode_element<SPEC_NONE>(code, j.s);
+  }
+}
+
+template <int SSPEC>
+inline uint32_t blk_scale_code(const BlkJob& j, float t) {
+  t = std::min(t, j.s_limit);
+  if (SSPEC >= 0) return mx_encode_element<SSPEC < 0 ? 0 : SSPEC>(t, 1.0f, j.s);
+  switch (j.s_spec) {
+    case SPEC_IEEE: return mx_encode_element<SPEC_IEEE>(t, 1.0f, j.s);
+    case SPEC_FN: return mx_encode_element<SPEC_FN>(t, 1.0f, j.s);
+    default: return mx_encode_element<SPEC_NONE>(t, 1.0f, j.s);
+  }
+}
+
+// Encoding a chunk takes three passes over its blocks, as for the INT and MX codecs, so that
+// the latency of one block's scale overlaps the work of the others: (1) the values (reduce:
+// decoded incoming codes cin plus the values src) and their absmax, (2) the scales, (3) the
+// codes. BS: a compile-time block length (vectorized fixed-length loops), or 0 for len_.
+
+// decode of block b into out
+template <int ESPEC, int SSPEC, int BS>
+inline void blk_decode_block(const BlkJob& j, int64_t b, int64_t len_, const uint8_t* in_scales,
+                             const uint8_t* __restrict cin, float* __restrict out) {
+  const int64_t len = BS > 0 ? BS : len_;
+  const float S = blk_scale_value<SSPEC>(j, in_scales[b]) * j.g_in;
+  for (int64_t i = 0; i < len; i++) out[i] = mx_decode_element<ESPEC>(cin[i], j.e) * S;
+}
+
+// pass 1 for block b: its values in v and the integer max of their magnitude bits
+template <int ESPEC, int SSPEC, int BS>
+inline uint32_t blk_values_block(const BlkJob& j, int64_t b, int64_t len_,
+                                 const uint8_t* in_scales, const float* __restrict src,
+                                 float* __restrict v, const uint8_t* __restrict cin) {
+  const int64_t len = BS > 0 ? BS : len_;
+  uint32_t m = 0;
+  if (j.op == 1) {
+    const float S_in = blk_scale_value<SSPEC>(j, in_scales[b]) * j.g_in;
+    for (int64_t i = 0; i < len; i++) {
+      const float p = mx_decode_element<ESPEC>(cin[i], j.e) * S_in;
+      v[i] = p + src[i];
+      m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
+    }
+    return m;
+  }
+  for (int64_t i = 0; i < len; i++) {
+    v[i] = src[i];
+    m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
+  }
+  return m;
+}
+
+// pass 2: the scale byte of a block with absmax bits m, and S (0 where the codes are 0)
+template <int SSPEC>
+inline float blk_scale_block(const BlkJob& j, uint32_t m, uint8_t* scale_byte) {
+  const bool finite = m < 0x7F800000u;
+  const float t = u2f(finite ? m : 0u) / j.scale_div;
+  const uint32_t sc = finite ? blk_scale_code<SSPEC>(j, t) : j.s_nan;
+  *scale_byte = (uint8_t)sc;
+  const float S = blk_scale_value<SSPEC>(j, sc) * j.g_out;
+  return finite && S > 0.0f ? S : 0.0f;
+}
+
+// pass 3 for a block with scale S: its codes
+template <int ESPEC, int BS>
+inline void blk_codes_block(const BlkJob& j, int64_t len_, const float* __restrict v, float S,
+                            uint8_t* __restrict c) {
+  const int64_t len = BS > 0 ? BS : len_;
+  if (!(S > 0.0f)) {
+    std::memset(c, 0, (size_t)len);
+    return;
+  }
+  const uint32_t lim = j.e_limit_bits;
+  for (int64_t i = 0; i < len; i++) {
+    const uint32_t qb = f2u(v[i] / S);
+    const float q = u2f((qb & 0x80000000u) | std::min(qb & 0x7FFFFFFFu, lim));
+    c[i] = (uint8_t)mx_encode_element<ESPEC>(q, 1.0f, j.e);
+  }
+}
+
+// blocks [b0, b1) (at most 512) of a chunk whose first value is e0: decode into out, or the
+// three passes (values src, incoming codes cin, outgoing codes cout)
+template <int ESPEC, int SSPEC>
+void blk_chunk_spec(const BlkJob& j, int64_t n, int64_t b0, int64_t b1, int64_t e0,
+                    const uint8_t* in_scales, uint8_t* out_scales, const float* src, float* vals,
+                    const uint8_t* cin, uint8_t* cout, float* out) {
+  const int64_t bs = j.bs;
+  if (j.op == 2) {
+    for (int64_t b = b0; b < b1; b++) {
+      const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
+      float* o = out + b * bs;
+      if (len == 16) blk_decode_block<ESPEC, SSPEC, 16>(j, b, len, in_scales, cin + s0, o);
+      else if (len == 32) blk_decode_block<ESPEC, SSPEC, 32>(j, b, len, in_scales, cin + s0, o);
+      else blk_decode_block<ESPEC, SSPEC, 0>(j, b, len, in_scales, cin + s0, o);
+    }
+    return;
+  }
+  uint32_t amax[512];
+  float scale[512];
+  for (int64_t b = b0; b < b1; b++) {  // pass 1
+    const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
+    const float* x = src + s0;
+    float* v = vals + s0;
+    const uint8_t* c = cin + s0;
+    amax[b - b0] = len == 16   ? blk_values_block<ESPEC, SSPEC, 16>(j, b, len, in_scales, x, v, c)
+                   : len == 32 ? blk_values_block<ESPEC, SSPEC, 32>(j, b, len, in_scales, x, v, c)
+                               : blk_values_block<ESPEC, SSPEC, 0>(j, b, len, in_scales, x, v, c);
+  }
+  for (int64_t b = b0; b < b1; b++)  // pass 2
+    scale[b - b0] = blk_scale_block<SSPEC>(j, amax[b - b0], out_scales + b);
+  for (int64_t b = b0; b < b1; b++) {  // pass 3
+    const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
+    const float S = scale[b - b0];
+    if (len == 16) blk_codes_block<ESPEC, 16>(j, len, vals + s0, S, cout + s0);
+    else if (len == 32) blk_codes_block<ESPEC, 32>(j, len, vals + s0, S, cout + s0);
+    else blk_codes_block<ESPEC, 0>(j, len, vals + s0, S, cout + s0);
+  }
+}
+
+// the common scale format (E4M3, "fn") at compile time; others read at run time
+template <int ESPEC>
+void blk_chunk(const BlkJob& j, int64_t n, int64_t b0, int64_t b1, int64_t e0,
+               const uint8_t* in_scales, uint8_t* out_scales, const float* src, float* vals,
+               const uint8_t* cin, uint8_t* cout, float* out) {
+  if (j.s_spec == SPEC_FN)
+    blk_chunk_spec<ESPEC, SPEC_FN>(j, n, b0, b1, e0, in_scales, out_scales, src, vals, cin,
+                                   cout, out);
+  else
+    blk_chunk_spec<ESPEC, -1>(j, n, b0, b1, e0, in_scales, out_scales, src, vals, cin, cout,
+                              out);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Arguments of dq_blk_run (mirrored by a ctypes.Structure in cpu_native.py).
+struct dq_blk_args {
+  DQ_COMMON_ARGS
+  int64_t block_size;
+  int32_t e_specials, e_nmant, e_bias, e_bits, e_max_code, e_nan_code, e_inf_code, e_emax;
+  int32_t s_specials, s_nmant, s_bias, s_max_code, s_nan_code, s_emax;
+  int32_t header;        // bytes of the tensor scale in front of the payloads (0 or 4)
+  uint32_t g_out_bits;   // fp32 bits of the outgoing G (encode, reduce)
+  float e_max;           // the element format's largest value
+  int32_t nthreads;
+};
+
+int dq_blk_run(dq_blk_args* a) {
+  const int64_t n = a->n, bs = a->block_size;
+  if (n <= 0) return 0;
+  const int bits = a->e_bits, hdr = a->header;
+  const int64_t nblocks = (n + bs - 1) / bs;
+  const int64_t nbytes = (n * bits + 7) / 8;
+  BlkJob job;
+  job.op = a->op;
+  job.e_spec = a->e_specials;
+  job.s_spec = a->s_specials;
+  job.e = MxFormat{a->e_nmant, a->e_bias, bits, a->e_max_code, a->e_nan_code, a->e_inf_code,
+                   a->e_emax};
+  job.s = MxFormat{a->s_nmant, a->s_bias, 8, a->s_max_code, a->s_nan_code, 0, a->s_emax};
+  job.bs = bs;
+  job.e_max = a->e_max;
+  job.g_out = u2f(a->g_out_bits);
+  job.scale_div = job.e_max * job.g_out;
+  job.g_in = 1.0f;
+  if (hdr && a->op != 0) {
+    uint32_t g;
+    std::memcpy(&g, a->in, 4);
+    job.g_in = u2f(g);
+  }
+  job.e_limit_bits = (uint32_t)(a->e_emax + 1 + 127) << 23;
+  job.s_limit = u2f((uint32_t)(a->s_emax + 1 + 127) << 23);
+  job.s_nan = (uint32_t)a->s_nan_code;
+  if (hdr && a->op != 2) std::memcpy(a->out, &a->g_out_bits, 4);
+  const uint8_t* in_scales = a->in ? a->in + hdr : nullptr;
+  const uint8_t* in_stream = a->in ? a->in + hdr + nblocks : nullptr;
+  uint8_t* out_scales = a->out ? a->out + hdr : nullptr;
+  uint8_t* out_stream = a->out ? a->out + hdr + nblocks : nullptr;
+  const int64_t per_chunk = std::max<int64_t>(1, 4096 / bs);  // blocks (whole bytes)
+
+  auto work = [&](int64_t t0, int64_t t1, int) -> bool {
+    float vals[4096];
+    float loaded[4096];
+    uint8_t codes_in[4096 + 8];
+    uint8_t codes_out[4096 + 8];
+    for (int64_t tc = t0; tc < t1; tc += per_chunk) {
+      const int64_t b1 = std::min(t1, tc + per_chunk);
+      const int64_t e0 = tc * bs, e1 = std::min(n, b1 * bs);
+      const int64_t cnt = e1 - e0, ng = (cnt + 7) / 8;
+      const float* src = nullptr;
+      if (a->op != 2) {
+        src = (const float*)a->x + e0;
+        if (a->in_kind != 0) {
+          load_values_any(a->in_kind, a->x, e0, cnt, loaded);
+          src = loaded;
+        }
+      }
+      if (a->op != 0) unpack_any(bits, in_stream, nbytes, e0 / 8, ng, codes_in);
+      switch (job.e_spec) {
+        case SPEC_IEEE:
+          blk_chunk<SPEC_IEEE>(job, n, tc, b1, e0, in_scales, out_scales, src, vals, codes_in,
+                               codes_out, a->out_values);
+          break;
+        case SPEC_FN:
+          blk_chunk<SPEC_FN>(job, n, tc, b1, e0, in_scales, out_scales, src, vals, codes_in,
+                             codes_out, a->out_values);
+          break;
+        case SPEC_NONE:
+          blk_chunk<SPEC_NONE>(job, n, tc, b1, e0, in_scales, out_scales, src, vals, codes_in,
+                               codes_out, a->out_values);
+          break;
+        default:
+          blk_chunk<SPEC_INT>(job, n, tc, b1, e0, in_scales, out_scales, src, vals, codes_in,
+                              codes_out, a->out_values);
+          break;
+      }
+      if (a->op == 2) continue;
+      std::memset(codes_out + cnt, 0, (size_t)(8 * ng - cnt));
+      pack_any(bits, codes_out, e0 / 8, ng, out_stream, nbytes);
+    }
+    return true;
+  };
+  int nt = (int)std::max<int64_t>(1, a->nthreads);
+  return parallel_tiles(nblocks, nt, work) ? 0 : 1;
+}
+
+// The layout version of the argument structures (dq_int_args, dq_mx_args, dq_blk_args and
+// dynamiq_kernels.cpp's dq_dyn_args) and of the functions' signatures, checked when the
+// library loads.
+int dq_abi_version(void) { return 6; }
 
 }  // extern "C"
