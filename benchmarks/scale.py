@@ -4,6 +4,7 @@ with the batched simulator (``dynamiq.collectives.simulator``).
     python benchmarks/scale.py                           # every cell (hours on 2 busy cores)
     python benchmarks/scale.py --ranks 128 --codec int8  # some cells
     python benchmarks/scale.py --report                  # the Markdown table from the JSON
+    python benchmarks/scale.py --ranks 128 --codec dynamiq --schedule ring --profile --out X
 
 Gradients: the byte-level transformer of ``dynamiq.data`` (CPython's docs and sources),
 trained as ``dynamiq.data`` trains it but with the text cut for ``--workers`` (1024) disjoint
@@ -27,10 +28,12 @@ rerun skips the cells already there.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import functools
 import json
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -187,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-batch", type=int, default=DataConfig().worker_batch)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--report", action="store_true", help="print the table from --out")
+    ap.add_argument(
+        "--profile", action="store_true", help="cProfile each cell (top 30 by cumulative time)"
+    )
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = json.loads(args.out.read_text()) if args.out.exists() else []
     if args.report:
@@ -202,7 +208,13 @@ def main(argv: list[str] | None = None) -> int:
             for codec in args.codec or CODECS:
                 if (codec, schedule, n, args.values) in done:
                     continue
+                prof = cProfile.Profile() if args.profile else None
+                if prof is not None:
+                    prof.enable()
                 row = cell(grads, codec, schedule, n)
+                if prof is not None:
+                    prof.disable()
+                    pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
                 row["data"] = source
                 rows.append(row)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
