@@ -16,9 +16,12 @@ their concatenation (see :func:`batch_fields`). That is exact because
   + local`` (the :class:`~dynamiq.codecs.Codec` contract), and decoding is deterministic, so
   each encoding is decoded once and every rank that holds its bytes uses those values.
 
-Codecs whose encoding depends on the rank, the offset or a prologue's result (stochastic
-rounding, THC, OmniReduce), homomorphic codecs and codecs this module does not know (plugins,
-subclasses) run per rank and per sub-chunk, exactly as the engine calls them.
+Pooled DynamiQ (its span budgets from the prologue's result, by global offset) is batched too:
+each call's context gathers the budgets of its chunks' spans (``_dynamiq_pool.gathered``), and
+each span is encoded on its own. Codecs whose encoding depends on the rank, the offset or a
+prologue's result otherwise (stochastic rounding, THC, OmniReduce), homomorphic codecs and
+codecs this module does not know (plugins, subclasses) run per rank and per sub-chunk, exactly
+as the engine calls them.
 ``tests/collectives/test_batched_simulator.py`` checks bit-identity with the threaded run of
 the engine for every registered codec and schedule.
 """
