@@ -4,6 +4,7 @@ with the batched simulator (``dynamiq.collectives.simulator``).
     python benchmarks/scale.py                           # every cell (hours on 2 busy cores)
     python benchmarks/scale.py --ranks 128 --codec int8  # some cells
     python benchmarks/scale.py --report                  # the Markdown table from the JSON
+    python benchmarks/scale.py --ranks 128 --codec dynamiq --schedule ring --profile --out X
 
 Gradients: the byte-level transformer of ``dynamiq.data`` (CPython's docs and sources),
 trained as ``dynamiq.data`` trains it but with the text cut for ``--workers`` (1024) disjoint
@@ -17,7 +18,9 @@ worker ``r``'s row.
 Each cell is one ``simulate_schedule`` run with ``return_bound=False`` (the bounds are not
 needed for vNMSE; they cost about as much as the run), torch on one thread. Recorded: vNMSE
 against the fp64 sum, bits/value as ``SimResult.bits_per_value`` counts them, wall and CPU
-seconds, and the largest / mean bytes a rank sends in a round (over the ranks the schedule
+seconds of the simulation and, apart, of building the schedule (once per schedule and rank
+count, for all its codecs), the 1-minute load average before and after, the codec's
+configuration, and the largest / mean bytes a rank sends in a round (over the ranks the schedule
 has send in it; the worst round). Cells are appended to ``--out`` (JSON) as they finish; a
 rerun skips the cells already there.
 """
@@ -25,8 +28,12 @@ rerun skips the cells already there.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import functools
 import json
+import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -96,11 +103,20 @@ def round_balance(round_bytes: np.ndarray, sched: Schedule) -> float:
     return worst
 
 
-def cell(grads: torch.Tensor, codec: str, schedule: str, n: int) -> dict[str, Any]:
+@functools.lru_cache(maxsize=1)
+def built_schedule(schedule: str, n: int) -> tuple[Schedule, float, float]:
+    """The schedule (built once for every codec of a row), and its wall and CPU seconds."""
     opts = {"ranks_per_node": RANKS_PER_NODE} if schedule == "hierarchical" else {}
-    xs = [grads[r].contiguous() for r in range(n)]
     t0, c0 = time.perf_counter(), time.process_time()
     sched = get_schedule(schedule, n, **opts)
+    return sched, time.perf_counter() - t0, time.process_time() - c0
+
+
+def cell(grads: torch.Tensor, codec: str, schedule: str, n: int) -> dict[str, Any]:
+    xs = [grads[r].contiguous() for r in range(n)]
+    sched, s_wall, s_cpu = built_schedule(schedule, n)
+    load0 = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
     run = simulate_schedule(xs, get_codec(codec), sched, return_bound=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     exact = torch.stack([x.double() for x in xs]).sum(dim=0)
@@ -117,21 +133,36 @@ def cell(grads: torch.Tensor, codec: str, schedule: str, n: int) -> dict[str, An
         "round_balance": round_balance(run.round_bytes, sched),
         "seconds": wall,
         "cpu_seconds": cpu,
+        "schedule_seconds": s_wall,
+        "schedule_cpu_seconds": s_cpu,
+        "load": [load0, os.getloadavg()[0]],
+        "codec_config": repr(get_codec(codec)),
         "phases": run.seconds,
     }
 
 
+def _schedule_time(r: dict[str, Any]) -> str:
+    if "schedule_seconds" not in r:  # older rows: the schedule's time is in the cell's
+        return "(in the cell's)"
+    return f"{r['schedule_seconds']:.0f} ({r['schedule_cpu_seconds']:.1f})"
+
+
+def _load(r: dict[str, Any]) -> str:
+    return f"{r['load'][0]:.0f}→{r['load'][1]:.0f}" if "load" in r else ""
+
+
 def report(rows: list[dict[str, Any]]) -> str:
     """The table; for the ring, also the vNMSE that growth linear in ``n - 1`` from the
-    fewest ranks measured predicts."""
+    fewest ranks measured predicts (the fewest of at least ``min(RANKS)`` where measured:
+    smaller rings are the baselines of other comparisons)."""
     lines = [
         "| ranks | schedule | codec | vNMSE | ring: linear prediction | bits/value "
-        "| largest/mean bytes per round | s (CPU s) |",
-        "|---:|---|---|---:|---:|---:|---:|---:|",
+        "| largest/mean bytes per round | s (CPU s) | schedule s (CPU s) | load |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     key = {c: i for i, c in enumerate(CODECS)}
     base: dict[str, dict[str, Any]] = {}
-    for r in sorted(rows, key=lambda r: r["ranks"]):
+    for r in sorted(rows, key=lambda r: (r["ranks"] < min(RANKS), r["ranks"])):
         if r["schedule"] == "ring":
             base.setdefault(r["codec"], r)
     for r in sorted(rows, key=lambda r: (r["ranks"], r["schedule"], key.get(r["codec"], 9))):
@@ -142,7 +173,8 @@ def report(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['ranks']} | {r['schedule']} | `{r['codec']}` | {r['vnmse']:.3g} | {pred} | "
             f"{r['bits_per_value']:.3f} | {r['round_balance']:.2f} | "
-            f"{r['seconds']:.0f} ({r['cpu_seconds']:.1f}) |"
+            f"{r['seconds']:.0f} ({r['cpu_seconds']:.1f}) | {_schedule_time(r)} | "
+            f"{_load(r)} |"
         )
     return "\n".join(lines)
 
@@ -158,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-batch", type=int, default=DataConfig().worker_batch)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--report", action="store_true", help="print the table from --out")
+    ap.add_argument(
+        "--profile", action="store_true", help="cProfile each cell (top 30 by cumulative time)"
+    )
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = json.loads(args.out.read_text()) if args.out.exists() else []
     if args.report:
@@ -173,7 +208,13 @@ def main(argv: list[str] | None = None) -> int:
             for codec in args.codec or CODECS:
                 if (codec, schedule, n, args.values) in done:
                     continue
+                prof = cProfile.Profile() if args.profile else None
+                if prof is not None:
+                    prof.enable()
                 row = cell(grads, codec, schedule, n)
+                if prof is not None:
+                    prof.disable()
+                    pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
                 row["data"] = source
                 rows.append(row)
                 args.out.parent.mkdir(parents=True, exist_ok=True)

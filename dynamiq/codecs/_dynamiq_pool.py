@@ -39,6 +39,7 @@ __all__ = [
     "SHARED_KEY",
     "chunk_budgets",
     "chunk_bytes",
+    "gathered",
     "shared_from_statistics",
     "span_budgets",
     "span_statistics",
@@ -117,6 +118,8 @@ def _group_absmax(
     region's groups from its own start, padding groups 0), and the largest of them."""
     span, g = codec.span, codec.group
     per = span // g
+    if all(a % g == 0 for a, _ in regions):
+        return _aligned_group_absmax(flat, regions, g, per, n_spans)
     parts = []
     for a, b in regions:
         full = (b - a) // g * g
@@ -132,6 +135,28 @@ def _group_absmax(
         parts += [body, tail, pad]
     a_g = torch.cat(parts).view(n_spans, per)
     return a_g, float(a_g.max()) if a_g.numel() else 0.0
+
+
+def _aligned_group_absmax(
+    flat: torch.Tensor, regions: list[tuple[int, int]], g: int, per: int, n_spans: int
+) -> tuple[torch.Tensor, float]:
+    """:func:`_group_absmax` when every region starts on a multiple of ``g``: the regions'
+    groups are the buffer's (only the buffer's last may be short), read in one pass, then
+    each region's padded to whole spans."""
+    n = flat.numel()
+    full = n // g * g
+    groups = _finite_absmax(flat[:full], g)
+    if n > full:
+        tail = torch.cat([flat[full:].float(), flat.new_zeros(g - (n - full), dtype=torch.float32)])
+        groups = torch.cat([groups, _finite_absmax(tail, g)])
+    count = torch.tensor([-(-(b - a) // g) for a, b in regions], dtype=torch.int64)
+    padded = -(-count // per) * per
+    shift = (torch.cumsum(padded, 0) - padded) - (torch.cumsum(count, 0) - count)
+    dest = torch.arange(groups.numel()) + torch.repeat_interleave(shift, count)
+    dest = dest.to(groups.device)
+    a_g = groups.new_zeros(n_spans * per)
+    a_g[dest] = groups
+    return a_g.view(n_spans, per), float(groups.max()) if groups.numel() else 0.0
 
 
 def _demand(
@@ -323,6 +348,7 @@ class Pool:
     """The prologue's result (``HopContext.shared[SHARED_KEY]``): the agreed demand of every
     span (bits, int64), the spans' lengths, the buffer's length, the regions and the index of
     each region's first span (and one past the last); budgets are memoized per bits/value.
+    ``fixed``: the budgets of every span whatever the bits/value (:func:`gathered`).
     Equal when the agreed data are (every rank's are)."""
 
     demand: torch.Tensor
@@ -331,6 +357,7 @@ class Pool:
     regions: tuple[tuple[int, int], ...]
     first: tuple[int, ...]
     budgets: dict[float, torch.Tensor] = field(default_factory=dict)
+    fixed: torch.Tensor | None = None
     #: per bits/value, the container bytes of the spans before each span (and the total)
     prefix: dict[float, list[int]] = field(default_factory=dict)
 
@@ -415,7 +442,7 @@ def span_budgets(pool: Pool, bits: float, balance: float) -> torch.Tensor:
     to their demand (at most a byte a value), each region holding at most ``balance`` times
     the mean of the regions' uniform shares ``floor(bits·len) // 8`` (the excess goes to
     the others)."""
-    got = pool.budgets.get(bits)
+    got = pool.fixed if pool.fixed is not None else pool.budgets.get(bits)
     if got is not None:
         return got
     demand, lens, first = pool.demand, pool.lens, list(pool.first)
@@ -497,3 +524,27 @@ def _first_span(codec: DynamiqCodec, pool: Pool, numel: int, offset: int) -> int
             f"buffer or cut?)"
         )
     return pool.first[r0] + (offset - regions[r0][0]) // span
+
+
+def gathered(codec: DynamiqCodec, shared: Any, budgets: list[torch.Tensor], numel: int) -> Any:
+    """``HopContext.shared`` for ``numel`` values cut from the buffer in pieces of whole spans
+    of the pooling regions (only the last piece may end in a short span) and laid end to end
+    from offset 0, ``budgets`` each piece's :func:`chunk_budgets` (at one bits/value): every
+    span keeps its container, and so its bytes and values, since each span is encoded on its
+    own. ``dynamiq/collectives/simulator.py`` encodes the chunks of many ranks in one call so."""
+    fixed = torch.cat(budgets) if budgets else torch.zeros(0, dtype=torch.int64)
+    n_spans, rest = fixed.numel(), numel % codec.span
+    if n_spans != -(-numel // codec.span):
+        raise ValueError(f"dynamiq: {n_spans} span budgets for {numel} values")
+    lens = torch.full((n_spans,), codec.span, dtype=torch.int64)
+    if rest:
+        lens[-1] = rest
+    pool = Pool(
+        demand=8 * fixed,
+        lens=lens,
+        numel=numel,
+        regions=((0, numel),) if numel else (),
+        first=(0, n_spans) if numel else (0,),
+        fixed=fixed,
+    )
+    return {**shared, SHARED_KEY: pool}

@@ -16,9 +16,12 @@ their concatenation (see :func:`batch_fields`). That is exact because
   + local`` (the :class:`~dynamiq.codecs.Codec` contract), and decoding is deterministic, so
   each encoding is decoded once and every rank that holds its bytes uses those values.
 
-Codecs whose encoding depends on the rank, the offset or a prologue's result (stochastic
-rounding, THC, OmniReduce), homomorphic codecs and codecs this module does not know (plugins,
-subclasses) run per rank and per sub-chunk, exactly as the engine calls them.
+Pooled DynamiQ (its span budgets from the prologue's result, by global offset) is batched too:
+each call's context gathers the budgets of its chunks' spans (``_dynamiq_pool.gathered``), and
+each span is encoded on its own. Codecs whose encoding depends on the rank, the offset or a
+prologue's result otherwise (stochastic rounding, THC, OmniReduce), homomorphic codecs and
+codecs this module does not know (plugins, subclasses) run per rank and per sub-chunk, exactly
+as the engine calls them.
 ``tests/collectives/test_batched_simulator.py`` checks bit-identity with the threaded run of
 the engine for every registered codec and schedule.
 """
@@ -35,6 +38,7 @@ import numpy as np
 import torch
 
 from dynamiq.codecs import Codec, HopContext
+from dynamiq.codecs._dynamiq_pool import gathered
 from dynamiq.codecs.dynamiq_codec import DynamiqCodec
 from dynamiq.codecs.intq import IntCodec
 from dynamiq.codecs.mx import MXFP4, MXFP6E2M3, MXFP6E3M2, MXFP8E4M3, MXFP8E5M2, MXINT8
@@ -71,10 +75,10 @@ def batch_fields(codec: Codec) -> tuple[str, ...] | None:
 
     INT with nearest rounding reads none (stochastic rounding hashes rank and offset); DynamiQ
     with nearest rounding reads ``hop`` and ``num_hops`` when ``hop_slope`` moves its budget.
+    Pooled DynamiQ also reads ``offset`` and ``shared`` (its budgets come from the prologue, by
+    global offset): a batched call gets the budgets of its chunks gathered (:func:`_gathers`).
     """
     cls = type(codec)
-    if cls is DynamiqCodec and codec.pooling == "bucket":  # type: ignore[attr-defined]
-        return None  # its budgets come from the prologue, by global offset
     if callable(getattr(codec, "prologue", None)) and cls is not DynamiqCodec:
         return None
     if cls in _CONTEXT_FREE:
@@ -86,6 +90,17 @@ def batch_fields(codec: Codec) -> tuple[str, ...] | None:
             return None
         return () if codec.hop_slope == 0 else ("hop", "num_hops")  # type: ignore[attr-defined]
     return None
+
+
+def _gathers(codec: Codec) -> bool:
+    """Whether ``codec``'s budgets come from a prologue's result by global offset (pooled
+    DynamiQ): a batched call on concatenated chunks then gets a context whose ``shared``
+    gathers each chunk's span budgets (``_dynamiq_pool.gathered``)."""
+    return (
+        isinstance(codec, DynamiqCodec)
+        and type(codec) is DynamiqCodec
+        and codec.pooling == "bucket"
+    )
 
 
 #: where each field batch_fields names sits in a compact context (planning.CtxKey)
@@ -166,6 +181,8 @@ class _Sim:
         self._ctx: dict[tuple[CtxKey, int, int], HopContext] = {}
         self._nbytes: dict[tuple[int, Hashable, int], int] = {}
         self._fields = [batch_fields(c) for c in self.codecs]
+        self._gather = [_gathers(c) for c in self.codecs]
+        self._budgets: dict[tuple[int, Hashable, int, int], torch.Tensor | None] = {}
 
     def batch_key(self, ci: int, key: CtxKey) -> Hashable | None:
         """What encodings with codec ``ci`` must agree on to share a call (``None``: never)."""
@@ -190,9 +207,19 @@ class _Sim:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - t0
         return now
 
-    def chunk_nbytes(self, ci: int, key: CtxKey, ch: int, bkey: Hashable) -> int:
-        """Wire bytes of chunk ``ch`` (its sub-chunks) for a codec of fixed sizes."""
+    def chunk_nbytes(self, ci: int, key: CtxKey, ch: int, bkey: Hashable, rank: int) -> int:
+        """Wire bytes of chunk ``ch`` (its sub-chunks) for a codec of sizes known in advance
+        (for a gathering codec, those of the chunk's place, on ``rank``'s prologue result)."""
         codec = self.codecs[ci]
+        if self._gather[ci]:
+            k0 = (ci, ("chunk", bkey, ch, self.group[rank]), 0)
+            got = self._nbytes.get(k0)
+            if got is None:
+                sizes = [
+                    codec.encoded_nbytes(b - a, self.octx(key, a, rank)) for a, b in self.pieces[ch]
+                ]
+                got = self._nbytes[k0] = sum(int(z) for z in sizes if z is not None)
+            return got
         total = 0
         for a, b in self.pieces[ch]:
             k = (ci, bkey, b - a)
@@ -234,14 +261,15 @@ class _Sim:
     def encode(self, items: list[_Item]) -> list[_Enc]:
         """Encode ``items``: batched calls where :func:`batch_fields` allows, else per rank."""
         out: list[_Enc | None] = [None] * len(items)
-        batches: dict[tuple[int, Hashable], list[int]] = {}
+        batches: dict[tuple[int, Hashable, int], list[int]] = {}
         for i, it in enumerate(items):
             bkey = self.batch_key(it.ci, it.key)
             if bkey is None:
                 out[i] = self.encode_alone(it)
-            else:
-                batches.setdefault((it.ci, bkey), []).append(i)
-        for (ci, bkey), idx in batches.items():
+            else:  # (a gathering codec's budgets come from the rank's prologue result)
+                grp = self.group[it.rank] if self._gather[it.ci] else 0
+                batches.setdefault((it.ci, bkey, grp), []).append(i)
+        for (ci, bkey, _g), idx in batches.items():
             block = self.codecs[ci].block_size
             whole = [i for i in idx if items[i].v.numel() % block == 0]
             tails = [i for i in idx if items[i].v.numel() % block != 0]
@@ -255,13 +283,14 @@ class _Sim:
         return out  # type: ignore[return-value]
 
     def encode_batch(self, items: list[_Item], bkey: Hashable) -> list[_Enc]:
-        ci, key = items[0].ci, items[0].key
+        ci = items[0].ci
         codec = self.codecs[ci]
+        group = self.group[items[0].rank] if self._gather[ci] else 0
         t = time.perf_counter()
         lens = [it.v.numel() for it in items]
         total = sum(lens)
         x = torch.cat([it.v for it in items]) if len(items) > 1 else items[0].v.contiguous()
-        ctx = self.octx(key, self.bounds[items[0].ch][0], items[0].rank)
+        ctx = self.batch_ctx(items, total)
         if total:
             dec = codec.decode(codec.encode(x, ctx), total, ctx)
             err = codec.error_bound.max_abs_error(x, ctx) if self.return_bound else None
@@ -276,9 +305,35 @@ class _Sim:
             if e is not None:
                 assert it.base is not None
                 bound = it.base + e
-            nbytes = self.chunk_nbytes(ci, it.key, it.ch, bkey)
-            encs.append(_Enc(ci, it.ch, it.key, {0: d}, bound, nbytes))
+            nbytes = self.chunk_nbytes(ci, it.key, it.ch, bkey, it.rank)
+            encs.append(_Enc(ci, it.ch, it.key, {group: d}, bound, nbytes))
         return encs
+
+    def batch_ctx(self, items: list[_Item], total: int) -> HopContext:
+        """The context of one call on the concatenated values of ``items``: the first one's,
+        for a gathering codec with each chunk's budgets gathered from offset 0."""
+        it0 = items[0]
+        ctx = self.octx(it0.key, self.bounds[it0.ch][0], it0.rank)
+        if not self._gather[it0.ci] or ctx.shared is None:
+            return ctx
+        parts = [self.chunk_budgets(it.ci, it.key, it.ch, it.rank) for it in items]
+        if any(p is None for p in parts):  # no pooling result: the uniform budgets
+            return ctx
+        shared = gathered(self.codecs[it0.ci], ctx.shared, parts, total)  # type: ignore[arg-type]
+        return dataclasses.replace(ctx, offset=0, shared=shared)
+
+    def chunk_budgets(self, ci: int, key: CtxKey, ch: int, rank: int) -> torch.Tensor | None:
+        """The span budgets (bytes) of chunk ``ch`` as the engine's calls on its sub-chunks
+        get them on ``rank`` (memoized: they depend on the place, not on the values)."""
+        k = (ci, self.batch_key(ci, key), ch, self.group[rank])
+        if k not in self._budgets:
+            codec: Any = self.codecs[ci]
+            parts = [
+                codec._pooled_bytes(b - a, self.octx(key, a, rank)) for a, b in self.pieces[ch]
+            ]
+            ok = parts and all(p is not None for p in parts)
+            self._budgets[k] = torch.cat(parts) if ok else None
+        return self._budgets[k]
 
     def encode_alone(self, it: _Item) -> _Enc:
         """The engine's calls, one per sub-chunk, on the encoding rank (its prologue)."""

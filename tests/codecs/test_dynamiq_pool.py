@@ -300,3 +300,35 @@ def test_allreduce_rounds_are_balanced_in_bytes() -> None:
         return max(int(budgets[f:t].sum()) for f, t in itertools.pairwise(p.first))
 
     assert largest(moved) < largest(kept)
+
+
+def _group_absmax_per_region(codec: DynamiqCodec, flat: torch.Tensor, regions) -> torch.Tensor:
+    """The reference: each region's groups from its own start, |x| of finite values (fp64
+    max), zero-padded to whole spans."""
+    g, per = codec.group, codec.span // codec.group
+    rows = []
+    for a, b in regions:
+        v = flat[a:b].double()
+        v = torch.where(torch.isfinite(v), v.abs(), 0.0)
+        v = torch.cat([v, v.new_zeros(-v.numel() % g)]).view(-1, g).amax(dim=1)
+        rows.append(torch.cat([v, v.new_zeros(-v.numel() % per)]))
+    return torch.cat(rows).view(-1, per).float()
+
+
+@pytest.mark.parametrize("numel", [4096, 70001])
+def test_group_absmax_of_aligned_regions_is_each_regions_own(numel: int) -> None:
+    """Regions starting on whole groups are read in one pass (the simulator's 1024 chunks);
+    the result is each region's groups from its own start, padded to whole spans."""
+    codec = DynamiqCodec()
+    gen = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=gen) * torch.exp2(torch.randint(-30, 30, (numel,)).float())
+    x[[5, numel // 2, numel - 1]] = torch.tensor([float("inf"), float("nan"), -float("inf")])
+    for parts in (1, 3, 40):
+        cuts = torch.randint(0, numel // 16, (parts - 1,), generator=gen) * 16
+        edges = sorted({0, numel, *cuts.tolist()})
+        regions = list(itertools.pairwise(edges))
+        n_spans = pool._span_lengths(codec, regions).numel()
+        got, top = pool._group_absmax(codec, x, regions, n_spans)
+        want = _group_absmax_per_region(codec, x, regions)
+        assert torch.equal(got, want)
+        assert top == float(want.max())

@@ -9,6 +9,7 @@ import torch
 from plan_oracle import oracle_plan
 
 from dynamiq.codecs import HopContext, IntCodec, get_codec, list_codecs
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec
 from dynamiq.collectives import get_schedule, simulate_allreduce
 from dynamiq.collectives.planning import plan_schedule
 from dynamiq.collectives.simulator import batch_fields, simulate_schedule
@@ -77,6 +78,8 @@ def test_bit_identical_to_the_threaded_engine(codec, schedule: str) -> None:
         ("int8", "ring", 16),
         ("mxfp8_e4m3", "butterfly", 16),
         ("dynamiq", "hierarchical", 16),
+        pytest.param("dynamiq", "ring", 16, marks=pytest.mark.slow),  # ~14 s
+        pytest.param("dynamiq", "butterfly", 32, marks=pytest.mark.slow),
         pytest.param("mxfp4", "ring", 32, marks=pytest.mark.slow),  # ~16 s
         ("int8", "hierarchical", 32),
     ],
@@ -160,3 +163,29 @@ def test_batch_fields_are_all_the_codec_reads(codec) -> None:
     assert torch.equal(c.decode(pa, x.numel(), a), c.decode(pb, x.numel(), b))
     assert torch.equal(c.error_bound.max_abs_error(x, a), c.error_bound.max_abs_error(x, b))
     assert c.encoded_nbytes(x.numel(), a) == c.encoded_nbytes(x.numel(), b)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pooled_dynamiq_many_spans_per_chunk(schedule: str) -> None:
+    """The default (pooled) DynamiQ with several spans in every chunk, a short last span and
+    sub-chunks: the chunks of all ranks share each call, their budgets gathered by place."""
+    n = 8
+    xs = _inputs(n, n * 256 * 3 + 37, seed=5)
+    opts = _options(schedule, n)
+    _assert_same("dynamiq", schedule, xs, seed=1, step=3, sub_chunk=512, schedule_options=opts)
+
+
+def test_pooled_dynamiq_one_call_per_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ring of n with the pooled default: one encode call per round for all ranks, each on
+    the whole buffer's worth of values (its chunks re-cut by the prologue)."""
+    calls = []
+    encode = DynamiqCodec.encode
+
+    def counting(self, x, ctx=None):  # type: ignore[no-untyped-def]
+        calls.append(x.numel())
+        return encode(self, x, ctx)
+
+    monkeypatch.setattr(DynamiqCodec, "encode", counting)
+    n, numel = 8, 8 * 256 * 4 + 100
+    simulate_schedule(_inputs(n, numel, seed=0), get_codec("dynamiq"), get_schedule("ring", n))
+    assert calls == [numel] * n
