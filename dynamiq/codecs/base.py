@@ -37,6 +37,16 @@ FP32_MAX = float.fromhex("0x1.fffffep127")  # 3.4028234663852886e38
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _INT_FIELDS = ("seed", "step", "hop", "num_hops", "rank", "contributions", "offset", "world_size")
+#: each int field's range: seed, step and offset are 64-bit counter words, the others fit in
+#: 32 bits; counts start at 1
+_INT_RANGES = tuple(
+    (
+        name,
+        1 if name in ("num_hops", "contributions", "world_size") else 0,
+        2**63 - 1 if name in ("seed", "step", "offset") else 2**32 - 1,
+    )
+    for name in _INT_FIELDS
+)
 
 
 def check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
@@ -78,11 +88,10 @@ class HopContext:
     shared: Mapping[str, Any] | None = field(default=None, hash=False, compare=True)
 
     def __post_init__(self) -> None:
-        for name in _INT_FIELDS:
-            lo = 1 if name in ("num_hops", "contributions", "world_size") else 0
-            # seed, step and offset are 64-bit counter words; the others fit in 32 bits
-            hi = 2**63 - 1 if name in ("seed", "step", "offset") else 2**32 - 1
-            check_int(name, getattr(self, name), lo, hi)
+        for name, lo, hi in _INT_RANGES:
+            v = getattr(self, name)
+            if type(v) is not int or not lo <= v <= hi:  # (the fast path: one test a field)
+                check_int(name, v, lo, hi)
         if self.hop >= self.num_hops:
             raise ValueError(f"hop must be < num_hops={self.num_hops} (got {self.hop})")
         if self.shared is not None and not isinstance(self.shared, Mapping):

@@ -48,6 +48,7 @@ codes are 0) and decodes to NaN; NaN/±Inf never enter ``A``.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -68,10 +69,18 @@ _MAX_BLOCK = 1 << 16
 
 
 def finite_absmax_bits(x: torch.Tensor) -> int:
-    """The fp32 bits of the largest finite ``|x|`` (0 when there is none)."""
+    """The fp32 bits of the largest finite ``|x|`` (0 when there is none).
+
+    One pass without temporaries (``aminmax``, which propagates NaN) when every value is
+    finite, its largest magnitude being ``max(-min, max)`` exactly; the bit-level pass
+    otherwise."""
     if x.numel() == 0:
         return 0
-    bits = x.detach().reshape(-1).float().view(torch.int32) & 0x7FFFFFFF
+    flat = x.detach().reshape(-1)
+    lo, hi = (float(v) for v in torch.aminmax(flat))
+    if math.isfinite(lo) and math.isfinite(hi):
+        return struct.unpack("<I", struct.pack("<f", max(-lo, hi)))[0] & 0x7FFFFFFF
+    bits = flat.float().view(torch.int32) & 0x7FFFFFFF
     return int(torch.where(bits < 0x7F800000, bits, 0).max())
 
 

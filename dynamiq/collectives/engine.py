@@ -326,6 +326,12 @@ class ScheduleRun:
         self.early: _Sends | None = None  # a round's sends, started during the previous one
         self._round = 0  # the round running (for errors)
         self._phase = 0  # an index into failures.PHASES (for errors)
+        # per-piece contexts and per-round size kinds, built once (the hot path asks for the
+        # same ones several times a piece); keyed by the planned context's identity (the plan
+        # keeps every planned context alive for the run)
+        self._ctxs: dict[tuple[int, int], HopContext] = {}
+        self._nbytes: dict[tuple[int, int, int, int], int | None] = {}
+        self._fixed: dict[int, bool] = {}
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -548,7 +554,7 @@ class ScheduleRun:
             assert rnd.recv_from is not None
             for j, (a, b) in enumerate(self.pieces[op.chunk]):
                 inc = _Incoming(op, j, a, b)
-                size = op.codec.encoded_nbytes(b - a, self._ctx(op.ctx, a))
+                size = self._size(op.codec, op.ctx, a, b)
                 if size is not None:
                     self._post(inc, rnd.recv_from, size)
                 incoming.append(inc)
@@ -743,7 +749,7 @@ class ScheduleRun:
         payload, bnd = new.payloads[j], new.bounds[j]
         nbytes = payload.numel()
         k, ch = sends.k, sop.chunk
-        if sop.codec.encoded_nbytes(b - a, self._ctx(sop.ctx, a)) is None:
+        if self._size(sop.codec, sop.ctx, a, b) is None:
             word = seal_length(self._ident(k, ch, j, self.rank, dst), payload.numel())
             hdr = torch.tensor([word], dtype=torch.int64, device=self.x.device)
             sends.pending.append(self.transport.isend(hdr, dst))
@@ -770,8 +776,24 @@ class ScheduleRun:
 
     def _ctx(self, ctx: HopContext, start: int) -> HopContext:
         """A planned context (offset 0) at the global offset of a piece starting at
-        ``start``, with the prologue's result."""
-        return dataclasses.replace(ctx, offset=self.config.base_offset + start, shared=self.shared)
+        ``start``, with the prologue's result (built once per context and piece: only used
+        after the prologue, whose result then no longer changes)."""
+        key = (id(ctx), start)
+        got = self._ctxs.get(key)
+        if got is None:
+            got = dataclasses.replace(
+                ctx, offset=self.config.base_offset + start, shared=self.shared
+            )
+            self._ctxs[key] = got
+        return got
+
+    def _size(self, codec: Codec, ctx: HopContext, a: int, b: int) -> int | None:
+        """``codec.encoded_nbytes`` of the piece ``[a, b)`` in the planned context ``ctx``
+        (asked once per piece: the plan keeps both objects alive for the run)."""
+        key = (id(codec), id(ctx), a, b)
+        if key not in self._nbytes:
+            self._nbytes[key] = codec.encoded_nbytes(b - a, self._ctx(ctx, a))
+        return self._nbytes[key]
 
     def _local_value(
         self, s: _State, j: int, a: int, b: int
@@ -788,11 +810,14 @@ class ScheduleRun:
         return outputs is None or chunk in outputs
 
     def _fixed_size(self, k: int) -> bool:
-        return all(
-            op.codec.encoded_nbytes(b - a, self._ctx(op.ctx, a)) is not None
-            for op in self.plan[k].recvs
-            for a, b in self.pieces[op.chunk]
-        )
+        got = self._fixed.get(k)
+        if got is None:
+            got = self._fixed[k] = all(
+                self._size(op.codec, op.ctx, a, b) is not None
+                for op in self.plan[k].recvs
+                for a, b in self.pieces[op.chunk]
+            )
+        return got
 
     def _decode_deferred(self, count: int, before_round: int) -> None:
         t = time.perf_counter()

@@ -2,8 +2,9 @@
 
 * :func:`calibrate_kernels`: each codec's ``encode``, fused ``reduce`` and ``decode`` on this
   machine, called as the engine calls them (the codec's methods, the dispatcher's default
-  backend, a fresh output per call, one torch thread), at two sizes (the engine's sub-chunk and
-  a quarter of it): a straight line through the two medians gives the per-call overhead and
+  backend, a fresh output per call, one torch thread, each call on the next piece of a 64 MiB
+  buffer as the engine walks through a bucket), at two sizes (the engine's sub-chunk and a
+  quarter of it): a straight line through the two medians gives the per-call overhead and
   the time per value; ``prologue`` (THC's scale agreement) on the whole buffer; an fp32 add.
 * :func:`calibrate_network`: an emulated cluster (:class:`~dynamiq.bench.netns.
   EmulatedCluster`) at each rate, and on it, with gloo and no codec
@@ -137,26 +138,43 @@ def _time_codec(
     c_out = HopContext(hop=1, num_hops=2, contributions=2, world_size=4, shared=shared)
     times: dict[str, dict[int, float]] = {op: {} for op in _OPS}
     for m in sorted({small, large}):
-        x, y = big[:m].contiguous(), other[:m].contiguous()
-        payload = codec.encode(x, c_in)
-        for op, fn in _ops(codec, x, y, payload, c_in, c_out).items():
+        pieces = _Pieces(codec, big, other, m, c_in)
+        for op, fn in _ops(codec, pieces, c_in, c_out).items():
             times[op][m] = statistics.median(_median_call(fn, burst) for _ in range(iters))
     for op, by in times.items():
         row[op] = _line(by)
     return row, sorted({small, large})
 
 
-def _ops(codec: Any, x: Any, y: Any, payload: Any, c_in: Any, c_out: Any) -> dict[str, Any]:
-    """The three calls the engine makes, on one sub-chunk."""
+class _Pieces:
+    """Consecutive sub-chunks of ``m`` values of the whole buffer (and their encodings):
+    each call takes the next one, as the engine walks through a bucket, so the data comes
+    from memory, not from a cache that a 1 MiB piece timed again and again would sit in."""
+
+    def __init__(self, codec: Any, big: Any, other: Any, m: int, ctx: Any):
+        count = max(1, big.numel() // m)
+        self.xs = [big[i * m : (i + 1) * m] for i in range(count)]
+        self.ys = [other[i * m : (i + 1) * m] for i in range(count)]
+        self.payloads = [codec.encode(x, ctx) for x in self.xs]
+        self.m, self.i = m, -1
+
+    def next(self) -> int:
+        self.i = (self.i + 1) % len(self.xs)
+        return self.i
+
+
+def _ops(codec: Any, p: _Pieces, c_in: Any, c_out: Any) -> dict[str, Any]:
+    """The three calls the engine makes, each on the next sub-chunk."""
 
     def encode() -> Any:
-        return codec.encode(x, c_in)
+        return codec.encode(p.xs[p.next()], c_in)
 
     def reduce() -> Any:
-        return codec.reduce(payload, y, c_in, c_out)
+        i = p.next()
+        return codec.reduce(p.payloads[i], p.ys[i], c_in, c_out)
 
     def decode() -> Any:
-        return codec.decode(payload, x.numel(), c_in)
+        return codec.decode(p.payloads[p.next()], p.m, c_in)
 
     return {"encode": encode, "reduce": reduce, "decode": decode}
 

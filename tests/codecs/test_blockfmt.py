@@ -133,6 +133,38 @@ def test_prologue_agrees_the_largest_finite_absmax() -> None:
     assert want == int(torch.tensor([top]).view(torch.int32))
 
 
+def _absmax_bits_numpy(x: torch.Tensor) -> int:
+    a = x.float().numpy().astype(np.float64)
+    a = np.abs(a[np.isfinite(a)])
+    return 0 if a.size == 0 else int(np.float32(a.max()).view(np.uint32))
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [-0.0],
+        [0.0, -0.0],
+        [math.nan, 1.0],
+        [math.nan],
+        [math.inf, -2.0],
+        [-math.inf],
+        [2.0**-149, -(2.0**-149)],
+        [2.0**-149, -(2.0**-133)],
+        [-3.4028234663852886e38, 1.0],
+        [-5.0, 5.0],
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finite_absmax_bits_edges(values: list[float], dtype: torch.dtype) -> None:
+    """Signed zeros, NaN and infinities (the slow path), subnormals, the fp32 extreme, ties
+    of sign (the one-pass path) against numpy in fp64."""
+    x = torch.tensor(values, dtype=torch.float32).to(dtype)
+    assert finite_absmax_bits(x) == _absmax_bits_numpy(x)
+    assert finite_absmax_bits(_sample(4097, 1).to(dtype)) == _absmax_bits_numpy(
+        _sample(4097, 1).to(dtype)
+    )
+
+
 def test_block_locality_needs_the_prologue() -> None:
     """nvfp4 is block-local given the prologue's scale; the same format with the scale taken
     from each chunk (no prologue) is not, and the kit's check says so."""
