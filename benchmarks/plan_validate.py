@@ -5,9 +5,10 @@
 Each ``--bench`` file is a ``dynamiq bench cluster --json`` result; its rate's prediction uses
 the ``--network`` calibration (``dynamiq plan calibrate --network``) and the ``--kernels``
 table (``dynamiq plan calibrate --kernels``) given with it, in order (one of each per bench
-file, or one for all). The parameters come from those microbenchmarks only; the measurement
-is read after the prediction and feeds nothing back. Prints a Markdown table (``--json``:
-the rows).
+file, or one for all), and with ``--host`` the CPU floor of ``dynamiq plan calibrate --host``
+(the ``bound`` column: ``cpu`` where it decides). The parameters come from those
+microbenchmarks only; the measurement is read after the prediction and feeds nothing back.
+Prints a Markdown table (``--json``: the rows).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Any
 from dynamiq.plan.api import predict
 
 
-def rows_for(bench: dict[str, Any], kernels: str, network: str) -> list[dict[str, Any]]:
+def rows_for(
+    bench: dict[str, Any], kernels: str, network: str, host: str | None = None
+) -> list[dict[str, Any]]:
     cfg = bench["meta"]["config"]
     out = []
     for run in bench["runs"]:
@@ -42,6 +45,7 @@ def rows_for(bench: dict[str, Any], kernels: str, network: str) -> list[dict[str
             rate=rate,
             kernel_table=kernels,
             network_table=network,
+            host_table=host,
         )
         by = {(p["codec"], p["schedule"]): p for p in pred["results"]}
         for r in measured:
@@ -53,6 +57,7 @@ def rows_for(bench: dict[str, Any], kernels: str, network: str) -> list[dict[str
                     "codec": r["codec"],
                     "schedule": r["schedule"],
                     "predicted s": p["seconds"],
+                    "bound": p.get("bound", "schedule"),
                     "measured s": r["seconds"],
                     "error %": 100 * (p["seconds"] - r["seconds"]) / r["seconds"],
                     "predicted bits/value": p["bits_per_value"],
@@ -71,6 +76,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "codec",
         "schedule",
         "predicted s",
+        "bound",
         "measured s",
         "error %",
         "predicted bits/value",
@@ -101,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench", action="append", required=True, help="dynamiq bench cluster JSON")
     p.add_argument("--kernels", action="append", required=True, help="kernel calibration JSON")
     p.add_argument("--network", action="append", required=True, help="network calibration JSON")
+    p.add_argument(
+        "--host", default=None, help="host CPU table (dynamiq plan calibrate --host), optional"
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     n = len(args.bench)
@@ -114,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             bench = json.load(f)
         k = args.kernels[i if len(args.kernels) == n else 0]
         net = args.network[i if len(args.network) == n else 0]
-        rows += rows_for(bench, k, net)
+        rows += rows_for(bench, k, net, args.host)
     print(json.dumps(rows, indent=1) if args.json else markdown(rows))
     return 0
 

@@ -12,6 +12,7 @@ from dynamiq.bench.netns import parse_rate
 from dynamiq.codecs import get_codec
 from dynamiq.collectives import get_schedule
 
+from .calibrate import host_floor
 from .costs import Cost, Host, KernelTable, Link
 from .model import Cluster, simulate
 from .profiles import DEVICES, LINKS, device_table, emulated_link, gpu_host, named_link
@@ -172,6 +173,30 @@ def resolve(  # noqa: PLR0913
     return cluster, table, host, sources
 
 
+def _host_table(path: str | None, ranks: int, profile: str) -> dict[str, Any] | None:
+    """A ``dynamiq plan calibrate --host`` table, checked: it applies to the emulated
+    cluster (every rank on this machine) of as many ranks as it was measured with."""
+    if path is None:
+        return None
+    import json
+
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"host table {path}: {exc}") from exc
+    if not isinstance(table, dict) or table.get("kind") != "dynamiq-plan-host":
+        raise ValueError(f"{path}: not a `dynamiq plan calibrate --host` table")
+    if profile != "emulated":
+        raise ValueError(
+            f"a host table is the CPU of ranks sharing one machine: it applies to the "
+            f"emulated profile only (got profile {profile!r})"
+        )
+    if int(table["ranks"]) != ranks:
+        raise ValueError(f"{path} was measured with {table['ranks']} ranks, not {ranks}")
+    return table
+
+
 def predict(
     ranks: int,
     codecs: Sequence[Any] = ("dynamiq",),
@@ -179,12 +204,18 @@ def predict(
     *,
     size_mib: float = 64.0,
     sub_chunk: int = 1 << 18,
+    host_table: str | None = None,
     **setup: Any,
 ) -> dict[str, Any]:
     """Predict each codec × schedule's all-reduce of ``size_mib`` MiB of fp32 on ``ranks``
     ranks; ``setup``: the keywords of :func:`resolve`. Returns ``{"config", "parameters",
     "results"}``, one result per codec × schedule with the predicted total ``seconds``, the
-    phases, per-round times and bits/value (see :class:`~dynamiq.plan.model.Prediction`)."""
+    phases, per-round times and bits/value (see :class:`~dynamiq.plan.model.Prediction`).
+
+    ``host_table`` (``dynamiq plan calibrate --host``; the emulated profile): the ranks share
+    this machine's cores, so a result's ``seconds`` is at least its ``cpu_floor_s``, ``ranks
+    × CPU per rank / cores`` with the CPU the table measured (``bound``: ``"cpu"`` where the
+    floor decides, ``"schedule"`` where the simulated schedule does)."""
     if not size_mib > 0:
         raise ValueError(f"size must be positive (got {size_mib} MiB)")
     if sub_chunk < 1:
@@ -196,6 +227,9 @@ def predict(
     for c in codecs:
         get_codec(c)  # UnknownCodecError names the known ids
     cluster, table, host, sources = resolve(ranks, **setup)
+    hosts = _host_table(host_table, ranks, setup.get("profile", "emulated"))
+    if hosts is not None:
+        sources["host_table"] = {k: hosts[k] for k in ("date", "machine", "ranks", "cores")}
     # the hierarchical schedule's nodes are the cluster's
     g = cluster.ranks_per_node if cluster.ranks_per_node > 1 else 2
     scheds = [
@@ -210,8 +244,16 @@ def predict(
             p = simulate(
                 c, s, cluster, numel, costs, host, sub_chunk=sub_chunk, intra_costs=table.get
             )
-            results.append(p.as_dict())
+            res = p.as_dict()
+            floor = None if hosts is None else host_floor(hosts, str(c), s.name, numel)
+            if floor is not None:
+                res["cpu_floor_s"], res["schedule_s"] = floor, res["seconds"]
+                res["bound"] = "cpu" if floor > res["seconds"] else "schedule"
+                res["seconds"] = max(floor, res["seconds"])
+            results.append(res)
     config = {"ranks": ranks, "size_mib": size_mib, "numel": numel, "sub_chunk": sub_chunk, **setup}
+    if host_table is not None:
+        config["host_table"] = host_table
     return {"config": config, "parameters": sources, "results": results}
 
 

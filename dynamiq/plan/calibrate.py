@@ -14,8 +14,12 @@
   the same bytes in halving/doubling rounds, one with a fixed partner and one whose partner
   changes every round, which says what changing partners costs on these links.
 
-Nothing here runs an all-reduce: the validation runs (``dynamiq bench cluster``) never feed a
-parameter.
+* :func:`calibrate_host`: the CPU one all-reduce costs the ranks of this machine when the
+  network costs next to nothing (gloo on loopback, no shaping): each codec × schedule at two
+  sizes (:mod:`dynamiq.plan._host_worker`). With every rank on one machine no all-reduce ends
+  before ``ranks × cpu / cores`` (:func:`host_floor`), whatever the links.
+
+The validation runs (``dynamiq bench cluster`` on the shaped links) never feed a parameter.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["calibrate_kernels", "calibrate_network", "link_patterns"]
+__all__ = [
+    "calibrate_host",
+    "calibrate_kernels",
+    "calibrate_network",
+    "host_floor",
+    "link_patterns",
+]
 
 _PORT = 29511
 
@@ -242,7 +252,44 @@ def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[l
     return out
 
 
-def _run_ranks(cl: Any, spec: dict[str, Any], tmp: str) -> list[dict[str, Any]]:
+class _Loopback:
+    """``n`` ranks as processes of this machine on loopback (the launcher interface of
+    :class:`~dynamiq.bench.netns.EmulatedCluster` that :func:`_run_ranks` uses)."""
+
+    def __init__(self, n: int):
+        self.n, self.addresses = n, ["127.0.0.1"]
+        self._procs: list[subprocess.Popen[Any]] = []
+
+    def popen(self, i: int, argv: list[str], env: dict[str, str], **kw: Any) -> Any:
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, **kw)
+        self._procs.append(proc)
+        return proc
+
+    def __enter__(self) -> _Loopback:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self._procs:  # (a rank left behind by a failure: never outlive the run)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_ranks(
+    cl: Any,
+    spec: dict[str, Any],
+    tmp: str,
+    worker: str = "dynamiq.plan._link_worker",
+    port: int = _PORT,
+) -> list[dict[str, Any]]:
     spec_path = os.path.join(tmp, "spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
@@ -250,8 +297,8 @@ def _run_ranks(cl: Any, spec: dict[str, Any], tmp: str) -> list[dict[str, Any]]:
     for r in range(cl.n):
         log = os.path.join(tmp, f"rank{r}.log")
         logs.append(log)
-        argv = [sys.executable, "-m", "dynamiq.plan._link_worker", "--rank", str(r)]
-        argv += ["--world", str(cl.n), "--master", f"{cl.addresses[0]}:{_PORT}"]
+        argv = [sys.executable, "-m", worker, "--rank", str(r)]
+        argv += ["--world", str(cl.n), "--master", f"{cl.addresses[0]}:{port}"]
         argv += ["--spec", spec_path, "--out", os.path.join(tmp, f"rank{r}.json")]
         with open(log, "w") as err:
             env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
@@ -264,12 +311,12 @@ def _run_ranks(cl: Any, spec: dict[str, Any], tmp: str) -> list[dict[str, Any]]:
             tail = ""
             with contextlib.suppress(OSError), open(logs[bad]) as f:
                 tail = f.read()[-2000:]
-            raise RuntimeError(f"rank {bad} of the link benchmark failed:\n{tail}")
+            raise RuntimeError(f"rank {bad} of the benchmark ({worker}) failed:\n{tail}")
         if all(c == 0 for c in codes):
             break
         time.sleep(0.2)
     else:
-        raise RuntimeError("the link benchmark did not finish in time")
+        raise RuntimeError(f"the benchmark ({worker}) did not finish in time")
     out = []
     for r in range(cl.n):
         with open(os.path.join(tmp, f"rank{r}.json")) as f:
@@ -327,6 +374,68 @@ def calibrate_network(
             )
     out["load_after"] = list(os.getloadavg())
     return out
+
+
+def calibrate_host(
+    codecs: Sequence[str],
+    schedules: Sequence[str] = ("ring", "butterfly"),
+    ranks: int = 4,
+    sizes_mib: Sequence[float] = (16.0, 64.0),
+    *,
+    repeats: int = 3,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """The CPU that ``ranks`` processes of this machine spend in one all-reduce of each codec
+    × schedule × size, the network taking next to nothing (gloo on loopback): per rank, the
+    median over repeats of the process's CPU seconds (the engine, its kernels, gloo's threads
+    and the system calls that move the bytes). With every rank on one machine, as on the
+    emulated cluster, no all-reduce can end before ``ranks × cpu / cores`` (the model's CPU
+    floor, :func:`host_floor`). Nothing is shaped and no namespace is made: no root needed."""
+    sizes = sorted({max(1, int(m * 2**20) // 4) for m in sizes_mib})
+    spec = {
+        "codecs": list(codecs),
+        "schedules": list(schedules),
+        "sizes": sizes,
+        "repeats": repeats,
+        "timeout": timeout,
+    }
+    with _Loopback(ranks) as cl, tempfile.TemporaryDirectory(prefix="dynamiq-host-") as tmp:
+        port = _free_port()
+        per_rank = _run_ranks(cl, spec, tmp, "dynamiq.plan._host_worker", port)
+    out: dict[str, Any] = {
+        "kind": "dynamiq-plan-host",
+        "date": _now(),
+        "machine": _machine(),
+        "ranks": ranks,
+        "cores": os.cpu_count() or 1,
+        "torch_threads": 1,
+        "sizes": sizes,
+        "codecs": {},
+    }
+    for i, run in enumerate(per_rank[0]["runs"]):
+        cpu = statistics.mean(statistics.median(pr["runs"][i]["cpu_s"]) for pr in per_rank)
+        wall = statistics.median(
+            max(pr["runs"][i]["wall_s"][k] for pr in per_rank) for k in range(len(run["wall_s"]))
+        )
+        row = out["codecs"].setdefault(str(run["codec"]), {}).setdefault(run["schedule"], {})
+        row.setdefault("cpu_s_per_rank", {})[str(run["numel"])] = cpu
+        row.setdefault("wall_s", {})[str(run["numel"])] = wall
+    for by_sched in out["codecs"].values():
+        for row in by_sched.values():
+            line = _line({int(k): v for k, v in row["cpu_s_per_rank"].items()})
+            row["overhead"], row["per_value"] = line["overhead"], line["per_value"]
+    return out
+
+
+def host_floor(table: dict[str, Any], codec: str, schedule: str, numel: int) -> float | None:
+    """``ranks × cpu / cores`` of ``codec`` × ``schedule`` at ``numel`` values from a
+    :func:`calibrate_host` table (the CPU per rank on the line through its sizes), or
+    ``None`` where the table has no such row."""
+    row = table.get("codecs", {}).get(codec, {}).get(schedule)
+    if row is None:
+        return None
+    cpu = max(0.0, float(row["overhead"]) + float(row["per_value"]) * numel)
+    return int(table["ranks"]) * cpu / max(1, int(table["cores"]))
 
 
 def _summarise_links(

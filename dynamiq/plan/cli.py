@@ -13,6 +13,7 @@ from typing import Any
 
 from dynamiq.bench.netns import parse_rate
 from dynamiq.codecs import UnknownCodecError
+from dynamiq.collectives import get_schedule
 
 from .api import break_even, predict
 from .profiles import DEVICES, LINKS
@@ -87,6 +88,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="the emulated link from `dynamiq plan calibrate --network` JSON",
     )
     p.add_argument(
+        "--host-table",
+        default=None,
+        metavar="FILE",
+        help="the CPU floor of ranks sharing this machine, from `dynamiq plan calibrate "
+        "--host` JSON (emulated profile)",
+    )
+    p.add_argument(
         "--mem-bw",
         type=float,
         default=None,
@@ -129,11 +137,18 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         description="Microbenchmarks for `dynamiq plan`: --kernels times every codec's "
         "encode, fused reduce and decode on this CPU (two sizes: per-call overhead and time "
         "per value); --network builds the emulated cluster (root) and measures a ping-pong "
-        "(latency), a stream (goodput, isend time) and exchanges. Prints JSON.",
+        "(latency), a stream (goodput, isend time) and exchanges; --host runs every codec's "
+        "all-reduce on --ranks local processes over loopback and records their CPU (the "
+        "CPU floor of ranks sharing this machine). Prints JSON.",
     )
     c.add_argument("--kernels", action="store_true", help="time the kernels")
     c.add_argument("--network", action="store_true", help="measure the emulated links (root)")
+    c.add_argument("--host", action="store_true", help="CPU of local ranks' all-reduces (loopback)")
     c.add_argument("--codecs", default=_DEFAULT_CODECS, help="codecs to time")
+    c.add_argument(
+        "--schedules", default="ring,butterfly", help="schedules (--host; ring,butterfly)"
+    )
+    c.add_argument("--size-mib", default="16,64", help="fp32 buckets, MiB (--host; default 16,64)")
     c.add_argument(
         "--procs",
         type=int,
@@ -183,6 +198,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             device=args.device,
             kernel_table=args.kernel_table,
             network_table=args.network_table,
+            host_table=args.host_table,
             mem_bw_gbps=args.mem_bw,
             call_overhead_us=args.call_overhead_us,
             cores=args.cores,
@@ -269,27 +285,50 @@ def text_report(out: dict[str, Any], rounds: bool = False) -> str:
     return "\n\n".join(parts)
 
 
+def _calibrate_args(
+    args: argparse.Namespace,
+) -> tuple[list[str], list[str], list[str], list[float]]:
+    """``calibrate``'s codecs, rates, schedules and sizes, checked (``ValueError``)."""
+    from dynamiq.codecs import get_codec
+
+    if args.procs < 1:
+        raise ValueError(f"--procs must be >= 1 (got {args.procs})")
+    codecs = _split(args.codecs)
+    for c in codecs:
+        get_codec(c)
+    rates = _split(args.rate)
+    for r in rates:
+        parse_rate(r)
+    if (args.network or args.host) and not 2 <= args.ranks <= 64:
+        raise ValueError(f"--ranks must be in 2..64 (got {args.ranks})")
+    schedules = _split(args.schedules)
+    for s in schedules:
+        get_schedule(s, args.ranks)
+    try:
+        sizes = [float(v) for v in _split(args.size_mib)]
+    except ValueError:
+        sizes = []
+    if not sizes or not all(v > 0 for v in sizes):
+        raise ValueError(f"--size-mib must be positive MiB (got {args.size_mib!r})")
+    return codecs, rates, schedules, sizes
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """``dynamiq plan calibrate``: exit 0, 1 (a benchmark failed), 2 (bad arguments)."""
-    if not (args.kernels or args.network):
-        return _fail("calibrate: say what to measure: --kernels and/or --network")
-    if args.procs < 1:
-        return _fail(f"calibrate: --procs must be >= 1 (got {args.procs})")
-    codecs = _split(args.codecs)
+    if args.host and (args.kernels or args.network):
+        return _fail("calibrate: --host is a table of its own: run it alone")
+    if not (args.kernels or args.network or args.host):
+        return _fail("calibrate: say what to measure: --kernels, --network and/or --host")
     try:
-        from dynamiq.codecs import get_codec
-
-        for c in codecs:
-            get_codec(c)
-        rates = _split(args.rate)
-        for r in rates:
-            parse_rate(r)
-        if args.network and not 2 <= args.ranks <= 64:
-            raise ValueError(f"--ranks must be in 2..64 (got {args.ranks})")
+        codecs, rates, schedules, sizes = _calibrate_args(args)
     except (ValueError, UnknownCodecError) as exc:
         return _fail(f"calibrate: {exc}")
     result: dict[str, Any] = {}
     try:
+        if args.host:
+            from .calibrate import calibrate_host
+
+            result = calibrate_host(codecs, schedules, args.ranks, sizes)
         if args.kernels:
             result = _kernels(codecs, args.sub_chunk, args.procs)
         if args.network:

@@ -253,7 +253,7 @@ def test_cli_rejects_bad_arguments(
 
 def test_calibrate_needs_something_to_measure(capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = _plan(capsys, "calibrate")
-    assert rc == 2 and "--kernels and/or --network" in err
+    assert rc == 2 and "--kernels, --network and/or --host" in err
 
 
 def test_hierarchical_nodes_are_the_clusters(capsys: pytest.CaptureFixture[str]) -> None:
