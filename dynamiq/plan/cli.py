@@ -20,7 +20,7 @@ from .profiles import DEVICES, LINKS
 
 __all__ = ["add_parser", "cmd_plan"]
 
-_DEFAULT_CODECS = "fp32,bf16,mxfp8_e4m3,mxfp4,int8,thc,omnireduce,dynamiq"
+_DEFAULT_CODECS = "fp32,bf16,mxfp8_e4m3,mxfp4,nvfp4,int8,thc,omnireduce,dynamiq"
 
 
 def _split(text: str) -> list[str]:
