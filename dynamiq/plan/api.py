@@ -213,9 +213,10 @@ def predict(
     phases, per-round times and bits/value (see :class:`~dynamiq.plan.model.Prediction`).
 
     ``host_table`` (``dynamiq plan calibrate --host``; the emulated profile): the ranks share
-    this machine's cores, so a result's ``seconds`` is at least its ``cpu_floor_s``, ``ranks
-    × CPU per rank / cores`` with the CPU the table measured (``bound``: ``"cpu"`` where the
-    floor decides, ``"schedule"`` where the simulated schedule does)."""
+    this machine's cores, so a result's ``seconds`` is at least its ``cpu_floor_s``
+    (:func:`~dynamiq.plan.calibrate.host_floor`: ``ranks × CPU per rank / cores`` or the
+    loopback all-reduce's time, the larger) (``bound``: ``"cpu"`` where the floor decides,
+    ``"schedule"`` where the simulated schedule does)."""
     if not size_mib > 0:
         raise ValueError(f"size must be positive (got {size_mib} MiB)")
     if sub_chunk < 1:

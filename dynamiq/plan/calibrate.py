@@ -17,7 +17,8 @@
 * :func:`calibrate_host`: the CPU one all-reduce costs the ranks of this machine when the
   network costs next to nothing (gloo on loopback, no shaping): each codec × schedule at two
   sizes (:mod:`dynamiq.plan._host_worker`). With every rank on one machine no all-reduce ends
-  before ``ranks × cpu / cores`` (:func:`host_floor`), whatever the links.
+  before ``ranks × cpu / cores``, nor before its time on loopback (:func:`host_floor`),
+  whatever the links.
 
 The validation runs (``dynamiq bench cluster`` on the shaped links) never feed a parameter.
 """
@@ -389,8 +390,10 @@ def calibrate_host(
     × schedule × size, the network taking next to nothing (gloo on loopback): per rank, the
     median over repeats of the process's CPU seconds (the engine, its kernels, gloo's threads
     and the system calls that move the bytes). With every rank on one machine, as on the
-    emulated cluster, no all-reduce can end before ``ranks × cpu / cores`` (the model's CPU
-    floor, :func:`host_floor`). Nothing is shaped and no namespace is made: no root needed."""
+    emulated cluster, no all-reduce can end before ``ranks × cpu / cores``, nor before the
+    time it takes on loopback (the median over repeats of the slowest rank's wall time, also
+    recorded): the model's CPU floor, :func:`host_floor`. Nothing is shaped and no namespace
+    is made: no root needed."""
     sizes = sorted({max(1, int(m * 2**20) // 4) for m in sizes_mib})
     spec = {
         "codecs": list(codecs),
@@ -424,18 +427,30 @@ def calibrate_host(
         for row in by_sched.values():
             line = _line({int(k): v for k, v in row["cpu_s_per_rank"].items()})
             row["overhead"], row["per_value"] = line["overhead"], line["per_value"]
+            wall = _line({int(k): v for k, v in row["wall_s"].items()})
+            row["wall_overhead"], row["wall_per_value"] = wall["overhead"], wall["per_value"]
     return out
 
 
 def host_floor(table: dict[str, Any], codec: str, schedule: str, numel: int) -> float | None:
-    """``ranks × cpu / cores`` of ``codec`` × ``schedule`` at ``numel`` values from a
-    :func:`calibrate_host` table (the CPU per rank on the line through its sizes), or
-    ``None`` where the table has no such row."""
+    """The least time ``codec`` × ``schedule`` needs at ``numel`` values on this host, from a
+    :func:`calibrate_host` table: the larger of ``ranks × cpu / cores`` (the CPU per rank on
+    the line through its sizes: the cores cannot do the work faster) and the all-reduce's own
+    time on loopback (the line through its wall times: with links that cost next to nothing,
+    what the host's scheduling of that work takes). ``None`` where the table has no such
+    row."""
     row = table.get("codecs", {}).get(codec, {}).get(schedule)
     if row is None:
         return None
     cpu = max(0.0, float(row["overhead"]) + float(row["per_value"]) * numel)
-    return int(table["ranks"]) * cpu / max(1, int(table["cores"]))
+    floor = int(table["ranks"]) * cpu / max(1, int(table["cores"]))
+    if "wall_per_value" not in row and row.get("wall_s"):  # (a table of before the line)
+        line = _line({int(k): v for k, v in row["wall_s"].items()})
+        row = {**row, "wall_overhead": line["overhead"], "wall_per_value": line["per_value"]}
+    if "wall_per_value" in row:
+        wall = float(row["wall_overhead"]) + float(row["wall_per_value"]) * numel
+        floor = max(floor, wall)
+    return floor
 
 
 def _summarise_links(

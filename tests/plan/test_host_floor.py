@@ -34,9 +34,16 @@ def _write(tmp_path: Path, table: dict[str, Any]) -> str:
     return str(path)
 
 
-def test_floor_is_ranks_times_cpu_over_cores() -> None:
+def test_floor_is_the_larger_of_cpu_over_cores_and_the_loopback_time() -> None:
     t = _table(1e-8)
     # cpu per rank = 0.01 + 1e-8 * 1e6 = 0.02 s; 4 ranks on 2 cores
+    assert host_floor(t, "mxfp4", "ring", 10**6) == pytest.approx(4 * 0.02 / 2)
+    # the loopback all-reduce took longer than its CPU over the cores: that decides
+    row = t["codecs"]["mxfp4"]["ring"]
+    row["wall_s"] = {"1000000": 0.05, "2000000": 0.09}  # the line 0.01 + 4e-8 n
+    assert host_floor(t, "mxfp4", "ring", 10**6) == pytest.approx(0.05)
+    assert host_floor(t, "mxfp4", "ring", 3 * 10**6) == pytest.approx(0.13)
+    row["wall_s"] = {"1000000": 0.001, "2000000": 0.002}  # faster than the CPU allows
     assert host_floor(t, "mxfp4", "ring", 10**6) == pytest.approx(4 * 0.02 / 2)
     assert host_floor(t, "mxfp4", "butterfly", 10**6) is None
     assert host_floor(t, "int8", "ring", 10**6) is None
