@@ -42,6 +42,7 @@ __all__ = [
     "calibrate_host",
     "calibrate_kernels",
     "calibrate_network",
+    "host_cpu",
     "host_floor",
     "link_patterns",
 ]
@@ -432,6 +433,15 @@ def calibrate_host(
     return out
 
 
+def host_cpu(table: dict[str, Any], codec: str, schedule: str, numel: int) -> float | None:
+    """CPU seconds per rank of ``codec`` × ``schedule`` at ``numel`` values (the line
+    through a :func:`calibrate_host` table's sizes), or ``None`` where it has no such row."""
+    row = table.get("codecs", {}).get(codec, {}).get(schedule)
+    if row is None:
+        return None
+    return max(0.0, float(row["overhead"]) + float(row["per_value"]) * numel)
+
+
 def host_floor(table: dict[str, Any], codec: str, schedule: str, numel: int) -> float | None:
     """The least time ``codec`` × ``schedule`` needs at ``numel`` values on this host, from a
     :func:`calibrate_host` table: the larger of ``ranks × cpu / cores`` (the CPU per rank on
@@ -440,9 +450,9 @@ def host_floor(table: dict[str, Any], codec: str, schedule: str, numel: int) -> 
     what the host's scheduling of that work takes). ``None`` where the table has no such
     row."""
     row = table.get("codecs", {}).get(codec, {}).get(schedule)
-    if row is None:
+    cpu = host_cpu(table, codec, schedule, numel)
+    if row is None or cpu is None:
         return None
-    cpu = max(0.0, float(row["overhead"]) + float(row["per_value"]) * numel)
     floor = int(table["ranks"]) * cpu / max(1, int(table["cores"]))
     if "wall_per_value" not in row and row.get("wall_s"):  # (a table of before the line)
         line = _line({int(k): v for k, v in row["wall_s"].items()})
