@@ -209,12 +209,18 @@ def _line(by_size: dict[int, float]) -> dict[str, Any]:
 # -- the network ----------------------------------------------------------------------------------
 
 
-def exchange_sizes(n: int, nbytes: int) -> list[int]:
-    """The bytes of each round of the exchange patterns of ``n`` ranks: a recursive halving
-    then doubling of ``nbytes`` over the largest power of two <= ``n`` (butterfly's rounds)."""
+def exchange_rounds(n: int, nbytes: int) -> list[tuple[int, int]]:
+    """``(partner mask, bytes)`` of each round of the exchange patterns of ``n`` ranks: a
+    recursive halving then doubling of ``nbytes`` over the largest power of two <= ``n``
+    (butterfly's rounds: rank ``r`` exchanges with ``r ^ mask``)."""
     steps = (1 << (n.bit_length() - 1)).bit_length() - 1
-    sizes = [nbytes >> (i + 1) for i in range(steps)]
-    return sizes + sizes[::-1]
+    halving = [(1 << i, nbytes >> (i + 1)) for i in range(steps)]
+    return halving + halving[::-1]
+
+
+def exchange_sizes(n: int, nbytes: int) -> list[int]:
+    """The bytes of each round of :func:`exchange_rounds`."""
+    return [b for _, b in exchange_rounds(n, nbytes)]
 
 
 def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[list[int]]]]]:
@@ -236,18 +242,15 @@ def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[l
         for r in range(n)
     ]
     p = 1 << (n.bit_length() - 1)  # the largest power of two <= n
-    steps = p.bit_length() - 1
-    sizes = exchange_sizes(n, nbytes)
-    masks = [1 << i for i in range(steps)]
-    masks = masks + masks[::-1]
+    rounds = exchange_rounds(n, nbytes)
     switch, fixed = [], []
     for r in range(n):
         if r >= p:  # ranks beyond the power of two sit out
-            switch.append([[[-1, -1, 0, 1]]] * len(sizes))
-            fixed.append([[[-1, -1, 0, 1]]] * len(sizes))
+            switch.append([[[-1, -1, 0, 1]]] * len(rounds))
+            fixed.append([[[-1, -1, 0, 1]]] * len(rounds))
             continue
-        switch.append([[[r ^ m, r ^ m, b, pieces(b)]] for m, b in zip(masks, sizes, strict=True)])
-        fixed.append([[[r ^ 1, r ^ 1, b, pieces(b)]] for b in sizes])
+        switch.append([[[r ^ m, r ^ m, b, pieces(b)]] for m, b in rounds])
+        fixed.append([[[r ^ 1, r ^ 1, b, pieces(b)]] for _, b in rounds])
     out = {"stream": stream, "exchange_fixed_partner": fixed, "exchange_switch_partner": switch}
     if n >= 3:
         out["two_streams"] = two
