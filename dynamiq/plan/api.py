@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from dynamiq.bench.netns import parse_rate
 from dynamiq.codecs import get_codec
 from dynamiq.collectives import get_schedule
 
-from .calibrate import host_floor
+from .calibrate import host_cpu, host_floor
 from .costs import Cost, Host, KernelTable, Link
 from .model import Cluster, simulate
 from .profiles import DEVICES, LINKS, device_table, emulated_link, gpu_host, named_link
@@ -240,22 +240,52 @@ def predict(
     numel = max(1, int(size_mib * 2**20) // 4)
     results = []
     for c in codecs:
-        costs = table.get(c)
         for s in scheds:
-            p = simulate(
-                c, s, cluster, numel, costs, host, sub_chunk=sub_chunk, intra_costs=table.get
-            )
-            res = p.as_dict()
-            floor = None if hosts is None else host_floor(hosts, str(c), s.name, numel)
-            if floor is not None:
-                res["cpu_floor_s"], res["schedule_s"] = floor, res["seconds"]
-                res["bound"] = "cpu" if floor > res["seconds"] else "schedule"
-                res["seconds"] = max(floor, res["seconds"])
+            if hosts is not None and host_cpu(hosts, str(c), s.name, numel) is not None:
+                res = _shared_cores(c, s, cluster, numel, table, host, hosts, sub_chunk)
+            else:
+                p = simulate(
+                    c, s, cluster, numel, table.get(c), host, sub_chunk=sub_chunk,
+                    intra_costs=table.get,
+                )  # fmt: skip
+                res = p.as_dict()
             results.append(res)
     config = {"ranks": ranks, "size_mib": size_mib, "numel": numel, "sub_chunk": sub_chunk, **setup}
     if host_table is not None:
         config["host_table"] = host_table
     return {"config": config, "parameters": sources, "results": results}
+
+
+def _shared_cores(
+    c: Any,
+    s: Any,
+    cluster: Cluster,
+    numel: int,
+    table: KernelTable,
+    host: Host,
+    hosts: dict[str, Any],
+    sub_chunk: int,
+) -> dict[str, Any]:
+    """One prediction with a host table: the ranks' CPU steps share the machine's cores (each
+    kernel at its cost alone), every step also costs the engine's own work around it (the
+    host table's CPU per rank beyond the kernels', spread over the rank's steps), and the
+    result is at least the table's floor (:func:`~dynamiq.plan.calibrate.host_floor`)."""
+    cores = int(hosts["cores"])
+    alone = table.alone(cores)
+    pool = replace(host, cpu_slowdown=1.0, cores=cores, add=alone.add, step_overhead=0.0)
+    kw: dict[str, Any] = {"sub_chunk": sub_chunk, "intra_costs": alone.get}
+    first = simulate(c, s, cluster, numel, alone.get(c), pool, **kw)
+    cpu = host_cpu(hosts, str(c), s.name, numel)
+    assert cpu is not None
+    extra = max(0.0, cpu - first.cpu_seconds_per_rank) / max(1.0, first.cpu_steps_per_rank)
+    pool = replace(pool, step_overhead=extra)
+    res = simulate(c, s, cluster, numel, alone.get(c), pool, **kw).as_dict()
+    floor = host_floor(hosts, str(c), s.name, numel)
+    assert floor is not None
+    res["cpu_floor_s"], res["schedule_s"], res["step_overhead_s"] = floor, res["seconds"], extra
+    res["bound"] = "cpu" if floor > res["seconds"] else "schedule"
+    res["seconds"] = max(floor, res["seconds"])
+    return res
 
 
 def _bf16_ideal(cluster: Cluster, numel: int) -> float:

@@ -42,6 +42,7 @@ __all__ = [
     "calibrate_host",
     "calibrate_kernels",
     "calibrate_network",
+    "host_cpu",
     "host_floor",
     "link_patterns",
 ]
@@ -208,12 +209,18 @@ def _line(by_size: dict[int, float]) -> dict[str, Any]:
 # -- the network ----------------------------------------------------------------------------------
 
 
-def exchange_sizes(n: int, nbytes: int) -> list[int]:
-    """The bytes of each round of the exchange patterns of ``n`` ranks: a recursive halving
-    then doubling of ``nbytes`` over the largest power of two <= ``n`` (butterfly's rounds)."""
+def exchange_rounds(n: int, nbytes: int) -> list[tuple[int, int]]:
+    """``(partner mask, bytes)`` of each round of the exchange patterns of ``n`` ranks: a
+    recursive halving then doubling of ``nbytes`` over the largest power of two <= ``n``
+    (butterfly's rounds: rank ``r`` exchanges with ``r ^ mask``)."""
     steps = (1 << (n.bit_length() - 1)).bit_length() - 1
-    sizes = [nbytes >> (i + 1) for i in range(steps)]
-    return sizes + sizes[::-1]
+    halving = [(1 << i, nbytes >> (i + 1)) for i in range(steps)]
+    return halving + halving[::-1]
+
+
+def exchange_sizes(n: int, nbytes: int) -> list[int]:
+    """The bytes of each round of :func:`exchange_rounds`."""
+    return [b for _, b in exchange_rounds(n, nbytes)]
 
 
 def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[list[int]]]]]:
@@ -235,18 +242,15 @@ def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[l
         for r in range(n)
     ]
     p = 1 << (n.bit_length() - 1)  # the largest power of two <= n
-    steps = p.bit_length() - 1
-    sizes = exchange_sizes(n, nbytes)
-    masks = [1 << i for i in range(steps)]
-    masks = masks + masks[::-1]
+    rounds = exchange_rounds(n, nbytes)
     switch, fixed = [], []
     for r in range(n):
         if r >= p:  # ranks beyond the power of two sit out
-            switch.append([[[-1, -1, 0, 1]]] * len(sizes))
-            fixed.append([[[-1, -1, 0, 1]]] * len(sizes))
+            switch.append([[[-1, -1, 0, 1]]] * len(rounds))
+            fixed.append([[[-1, -1, 0, 1]]] * len(rounds))
             continue
-        switch.append([[[r ^ m, r ^ m, b, pieces(b)]] for m, b in zip(masks, sizes, strict=True)])
-        fixed.append([[[r ^ 1, r ^ 1, b, pieces(b)]] for b in sizes])
+        switch.append([[[r ^ m, r ^ m, b, pieces(b)]] for m, b in rounds])
+        fixed.append([[[r ^ 1, r ^ 1, b, pieces(b)]] for _, b in rounds])
     out = {"stream": stream, "exchange_fixed_partner": fixed, "exchange_switch_partner": switch}
     if n >= 3:
         out["two_streams"] = two
@@ -432,6 +436,15 @@ def calibrate_host(
     return out
 
 
+def host_cpu(table: dict[str, Any], codec: str, schedule: str, numel: int) -> float | None:
+    """CPU seconds per rank of ``codec`` × ``schedule`` at ``numel`` values (the line
+    through a :func:`calibrate_host` table's sizes), or ``None`` where it has no such row."""
+    row = table.get("codecs", {}).get(codec, {}).get(schedule)
+    if row is None:
+        return None
+    return max(0.0, float(row["overhead"]) + float(row["per_value"]) * numel)
+
+
 def host_floor(table: dict[str, Any], codec: str, schedule: str, numel: int) -> float | None:
     """The least time ``codec`` × ``schedule`` needs at ``numel`` values on this host, from a
     :func:`calibrate_host` table: the larger of ``ranks × cpu / cores`` (the CPU per rank on
@@ -440,9 +453,9 @@ def host_floor(table: dict[str, Any], codec: str, schedule: str, numel: int) -> 
     what the host's scheduling of that work takes). ``None`` where the table has no such
     row."""
     row = table.get("codecs", {}).get(codec, {}).get(schedule)
-    if row is None:
+    cpu = host_cpu(table, codec, schedule, numel)
+    if row is None or cpu is None:
         return None
-    cpu = max(0.0, float(row["overhead"]) + float(row["per_value"]) * numel)
     floor = int(table["ranks"]) * cpu / max(1, int(table["cores"]))
     if "wall_per_value" not in row and row.get("wall_s"):  # (a table of before the line)
         line = _line({int(k): v for k, v in row["wall_s"].items()})

@@ -23,8 +23,10 @@
 
 :class:`Host` adds what the engine's host does besides the kernels: the time spent in
 ``isend`` per message (gloo's TCP send path; measured by the calibration's stream), a slow-down
-of every CPU step when ranks share cores (the emulated cluster: ``ranks / cores``), and whether
-rounds overlap (the CPU engine's look-ahead; CUDA runs rounds in lock-step).
+of every CPU step when ranks share cores (the emulated cluster: ``ranks / cores``) or, with a
+host table, a pool of ``cores`` the ranks' CPU steps share and the engine's own work per
+step, and whether rounds overlap (the CPU engine's look-ahead; CUDA runs rounds in
+lock-step).
 """
 
 from __future__ import annotations
@@ -126,10 +128,20 @@ class Host:
     cpu_slowdown: float = 1.0
     lookahead: bool = True
     source: str = ""
+    #: the ranks' CPU steps share this many cores (a step waits for a free one); None: every
+    #: rank has its own (``cpu_slowdown`` then stands for the sharing)
+    cores: int | None = None
+    #: seconds added to every CPU step: the engine's own work around each call (its Python,
+    #: fresh buffers), measured with ``dynamiq plan calibrate --host``
+    step_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.cpu_slowdown >= 1.0:
             raise ValueError(f"cpu_slowdown must be >= 1 (got {self.cpu_slowdown})")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"cores must be >= 1 (got {self.cores})")
+        if not self.step_overhead >= 0.0:
+            raise ValueError(f"step_overhead must be >= 0 s (got {self.step_overhead})")
 
 
 def payload_bytes_per_value(codec: Any, numel: int = 1 << 18) -> float:
@@ -208,6 +220,22 @@ class KernelTable:
         }
         bw = self.bandwidth_Bps / factor if self.bandwidth_Bps else None
         return KernelTable(costs, bw, self.overhead, self.device, source, s(self.add), self.procs)
+
+    def alone(self, cores: int) -> KernelTable:
+        """The costs of one process alone: a table timed by ``procs`` processes at once on
+        ``cores`` cores has every cost ``procs / cores`` times that (at least 1)."""
+        f = 1.0 / max(1.0, self.procs / cores)
+
+        def s(c: Cost) -> Cost:
+            return Cost(c.overhead * f, c.per_value * f)
+
+        costs = {
+            k: CodecCost(s(v.encode), s(v.reduce), s(v.decode), s(v.prologue), v.source)
+            for k, v in self.costs.items()
+        }
+        return KernelTable(
+            costs, self.bandwidth_Bps, self.overhead * f, self.device, self.source, s(self.add), 1
+        )
 
 
 def _codec_key(codec: Any) -> str:

@@ -17,7 +17,9 @@ costs.Link`) and start no earlier than the receive is posted (plus α for the no
 CPU rounds overlap as the engine does it: the next round's receives are posted a round ahead
 and a piece it sends goes out as soon as this round has finished its input; finished chunks
 are decoded one piece before each wait. On CUDA (``Host.lookahead=False``) rounds are
-lock-step. An all-reduce lasts until its slowest rank is done.
+lock-step. With ``Host.cores`` the ranks' CPU steps share that many cores (a step starts when
+one is free: the ``cores`` phase), and every CPU step also costs ``Host.step_overhead``. An
+all-reduce lasts until its slowest rank is done.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from .costs import CodecCost, Host, Link
 
 __all__ = ["Cluster", "Prediction", "simulate", "wire_bytes"]
 
-PHASES = ("prologue", "encode", "reduce", "decode", "send", "wait")
+PHASES = ("prologue", "encode", "reduce", "decode", "send", "wait", "cores")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,12 @@ class Prediction:
     phases: dict[str, float]  # mean over ranks, seconds
     rounds: list[dict[str, float]]  # per round, rank 0
     per_rank_seconds: list[float] = field(default_factory=list)
+    cpu_steps_per_rank: float = 0.0  # mean over ranks
+
+    @property
+    def cpu_seconds_per_rank(self) -> float:
+        """Mean CPU time a rank spends in its steps (every phase but the waits)."""
+        return sum(v for k, v in self.phases.items() if k not in ("wait", "cores"))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +98,7 @@ class Prediction:
             "phases": self.phases,
             "rounds": self.rounds,
             "per_rank_seconds": self.per_rank_seconds,
+            "cpu_steps_per_rank": self.cpu_steps_per_rank,
         }
 
 
@@ -326,7 +335,7 @@ class _Rank:
             # the all-gather of a few values: one latency out and one back, at least
             n = sim.cluster.ranks
             lat = max(sim.cluster.link(r, p).latency_s for p in range(n) if p != r)
-            yield ("cpu", (2 * lat, "prologue"))
+            yield ("idle", (2 * lat, "prologue"))
 
     def post_receives(self, k: int, ahead: bool) -> Generator[_Step, None, list[_Recv]]:
         """Post round ``k``'s receives (unless posted a round ahead) and, looking ahead,
@@ -435,7 +444,8 @@ def simulate(
     phases = [dict.fromkeys(PHASES, 0.0) for _ in range(n)]
     cost_of = _CostOf(c, key, costs, intra_costs)
     sim = _Sim(c, sched, plan, pieces, msgs, cluster, costs, host, numel, cost_of, clocks)
-    _Runner([_Rank(sim, r).run() for r in range(n)], clocks, phases, _Net(cluster)).run()
+    runner = _Runner([_Rank(sim, r).run() for r in range(n)], clocks, phases, _Net(cluster), host)
+    runner.run()
     sent = [prologue_bytes(c, n, numel)] * n
     for m in msgs.values():
         sent[m.src] += m.nbytes
@@ -451,6 +461,7 @@ def simulate(
         phases={ph: sum(p[ph] for p in phases) / n for ph in PHASES},
         rounds=sim.rounds,
         per_rank_seconds=list(clocks),
+        cpu_steps_per_rank=sum(runner.steps) / n,
     )
 
 
@@ -489,6 +500,7 @@ class _Runner:
         clocks: list[float],
         phases: list[dict[str, float]],
         net: _Net,
+        host: Host,
     ):
         self.gens, self.clocks, self.phases, self.net = gens, clocks, phases, net
         self.tie = itertools.count()
@@ -497,6 +509,10 @@ class _Runner:
         ]
         self.blocked: dict[int, tuple[int, _Msg, str]] = {}  # id(msg) -> (rank, msg, kind)
         self.pending: dict[int, _Msg] = {}  # issued or posted, not both yet
+        #: when each shared core is free again (``Host.cores``; None: a core per rank)
+        self.cores: list[float] | None = [0.0] * host.cores if host.cores else None
+        self.overhead = host.step_overhead
+        self.steps = [0] * len(gens)  # CPU steps per rank
 
     def _advance(self, rank: int, t: float) -> None:
         """``rank`` waited until ``t``; it is ready again."""
@@ -522,8 +538,17 @@ class _Runner:
 
     def _step(self, r: int, kind: str, arg: Any) -> bool:
         """Apply one step of rank ``r``; True: the rank goes on at once."""
-        if kind == "cpu":
+        if kind in ("cpu", "idle"):
             dt, ph = arg
+            if kind == "cpu" and dt > 0:
+                dt += self.overhead
+                self.steps[r] += 1
+                if self.cores is not None:  # wait for the first core free
+                    free = heapq.heappop(self.cores)
+                    start = max(self.clocks[r], free)
+                    self.phases[r]["cores"] += start - self.clocks[r]
+                    self.clocks[r] = start
+                    heapq.heappush(self.cores, start + dt)
             self.clocks[r] += dt
             self.phases[r][ph] += dt
             heapq.heappush(self.ready, (self.clocks[r], next(self.tie), r))

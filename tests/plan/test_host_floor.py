@@ -13,6 +13,8 @@ import pytest
 from dynamiq.bench.cli import main
 from dynamiq.plan.api import predict
 from dynamiq.plan.calibrate import calibrate_host, host_floor
+from dynamiq.plan.costs import CodecCost, Cost, Host, Link
+from dynamiq.plan.model import Cluster, simulate
 
 
 def _table(per_value: float, ranks: int = 4, cores: int = 2) -> dict[str, Any]:
@@ -53,16 +55,24 @@ def test_predict_takes_the_larger_of_floor_and_schedule(tmp_path: Path) -> None:
     kw: dict[str, Any] = {"size_mib": 64, "rate": "1gbit"}
     plain = predict(4, ["mxfp4"], ["ring"], **kw)["results"][0]
     assert "bound" not in plain
+    numel = 64 * 2**20 // 4
     slow = predict(4, ["mxfp4"], ["ring"], host_table=_write(tmp_path, _table(1e-7)), **kw)
     r = slow["results"][0]
-    numel = 64 * 2**20 // 4
-    assert r["bound"] == "cpu"
+    # 1.69 s of CPU a rank, 4 ranks on 2 cores: the simulated cores cannot do it faster
     assert r["cpu_floor_s"] == pytest.approx(4 * (0.01 + 1e-7 * numel) / 2)
-    assert r["seconds"] == r["cpu_floor_s"] > r["schedule_s"] == pytest.approx(plain["seconds"])
+    assert r["schedule_s"] >= r["cpu_floor_s"] * (1 - 1e-9)
+    assert r["bound"] == "schedule" and r["seconds"] == r["schedule_s"]
+    # the loopback run took longer still: that decides
+    t = _table(1e-7)
+    t["codecs"]["mxfp4"]["ring"]["wall_s"] = {str(numel // 4): 2.0, str(numel): 8.0}
+    r = predict(4, ["mxfp4"], ["ring"], host_table=_write(tmp_path, t), **kw)["results"][0]
+    assert r["bound"] == "cpu" and r["seconds"] == r["cpu_floor_s"] == pytest.approx(8.0)
     fast = predict(4, ["mxfp4"], ["ring"], host_table=_write(tmp_path, _table(0.0)), **kw)
     r = fast["results"][0]
-    assert r["bound"] == "schedule" and r["seconds"] == pytest.approx(plain["seconds"])
-    # a codec the table does not have: no floor
+    # the kernels alone already cost more CPU than the table says: no overhead, no floor
+    assert r["step_overhead_s"] == 0.0
+    assert r["bound"] == "schedule" and r["seconds"] == r["schedule_s"]
+    # a codec the table does not have: the plain model, no floor
     other = predict(4, ["int8"], ["ring"], host_table=_write(tmp_path, _table(1e-7)), **kw)
     assert "bound" not in other["results"][0]
 
@@ -108,3 +118,56 @@ def test_calibrate_host_on_two_local_ranks() -> None:
         assert all(v > 0 for v in row["wall_s"].values())
         floor = host_floor(t, codec, "ring", 2**18)
         assert floor is not None and floor > 0
+
+
+# -- the ranks' CPU steps on shared cores ---------------------------------------------------
+
+
+def _fast_cluster(n: int) -> Cluster:
+    return Cluster(n, Link(1e15, 0.0))  # the links cost next to nothing: the CPU decides
+
+
+COSTS = CodecCost(Cost(1e-4), Cost(2e-4), Cost(5e-5))
+
+
+def test_as_many_cores_as_ranks_is_a_core_per_rank() -> None:
+    mine = simulate("fp32", "ring", _fast_cluster(4), 1 << 16, COSTS, Host(), sub_chunk=4096)
+    pool = simulate("fp32", "ring", _fast_cluster(4), 1 << 16, COSTS, Host(cores=4), sub_chunk=4096)
+    assert pool.seconds == pytest.approx(mine.seconds, rel=1e-12)
+    assert pool.phases["cores"] == 0.0
+
+
+def test_one_core_runs_every_ranks_cpu_one_after_another() -> None:
+    p = simulate("fp32", "ring", _fast_cluster(4), 1 << 16, COSTS, Host(cores=1), sub_chunk=4096)
+    alone = simulate("fp32", "ring", _fast_cluster(4), 1 << 16, COSTS, Host(), sub_chunk=4096)
+    assert p.seconds >= 4 * p.cpu_seconds_per_rank * (1 - 1e-9)
+    assert p.cpu_seconds_per_rank == pytest.approx(alone.cpu_seconds_per_rank, rel=1e-12)
+    assert p.phases["cores"] > 0 and p.seconds > 2 * alone.seconds
+
+
+def test_step_overhead_is_added_to_every_cpu_step() -> None:
+    base = simulate("fp32", "ring", _fast_cluster(2), 1 << 14, COSTS, Host(), sub_chunk=4096)
+    more = simulate(
+        "fp32", "ring", _fast_cluster(2), 1 << 14, COSTS, Host(step_overhead=1e-3), sub_chunk=4096
+    )
+    assert more.cpu_steps_per_rank == base.cpu_steps_per_rank > 0
+    assert more.cpu_seconds_per_rank == pytest.approx(
+        base.cpu_seconds_per_rank + 1e-3 * base.cpu_steps_per_rank, rel=1e-9
+    )
+    with pytest.raises(ValueError, match="cores must be >= 1"):
+        Host(cores=0)
+    with pytest.raises(ValueError, match="step_overhead"):
+        Host(step_overhead=-1.0)
+
+
+def test_with_a_host_table_a_ranks_cpu_is_the_measured_one(tmp_path: Path) -> None:
+    """The host table's CPU per rank beyond the kernels' is spread over the rank's steps:
+    the predicted CPU of a rank is the measured one."""
+    numel = 64 * 2**20 // 4
+    t = _table(3e-8)  # 0.01 + 3e-8 n s a rank
+    out = predict(4, ["mxfp4"], ["ring"], size_mib=64, rate="1gbit", host_table=_write(tmp_path, t))
+    r = out["results"][0]
+    cpu = sum(v for k, v in r["phases"].items() if k not in ("wait", "cores"))
+    assert r["step_overhead_s"] > 0
+    assert cpu == pytest.approx(0.01 + 3e-8 * numel, rel=1e-6)
+    assert r["seconds"] >= r["schedule_s"] and r["seconds"] >= r["cpu_floor_s"]
