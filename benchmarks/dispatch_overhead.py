@@ -1,0 +1,159 @@
+"""Host time of one dispatched native-CPU call, against the native kernel called directly.
+
+For every built-in codec with a native CPU kernel (docs/design.md, "Kernels"), on ``--numel``
+values (4,096 by default) with one torch thread, the median time of one call of
+
+* ``public``: the codec's own method (``codec.encode(x, ctx)``, ``codec.decode(...)``,
+  ``codec.reduce(...)``: the default backend, which runs the native kernel at this size);
+* ``cpu``: ``dynamiq.kernels.encode(codec, x, ctx, backend="cpu")`` (and ``decode``,
+  ``reduce``);
+* ``floor``: the native entry point itself (``dq_*_run``) on the very argument structure the
+  dispatched call built, its output buffers already allocated: the kernel's own time.
+
+``overhead = cpu - floor`` is what the dispatch costs on top of the kernel. The floor is
+captured by wrapping the library's entry point during one dispatched call and timing the
+direct calls inside the wrapper, so every pointer it holds (DynamiQ's pooled budgets
+included) is alive while it runs; it does not depend on how the dispatcher builds its
+arguments. Codecs without a native kernel (``thc``, ``omnireduce``) are listed with their
+``public`` time only (their reference).
+
+    python benchmarks/dispatch_overhead.py [--numel 4096] [--calls 2000] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: the native entry points a dispatched call may reach
+ENTRY_POINTS = ("dq_int_run", "dq_mx_run", "dq_blk_run", "dq_pt_run", "dq_dyn_run")
+OPS = ("encode", "decode", "reduce")
+
+
+def _median_us(fn: Callable[[], Any], calls: int, rounds: int = 5) -> float:
+    """Median of ``rounds * calls`` single-call times (µs), after a warm-up."""
+    for _ in range(min(200, calls)):
+        fn()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(rounds):
+        for _ in range(calls):
+            t0 = clock()
+            fn()
+            samples.append(clock() - t0)
+    return statistics.median(samples) / 1e3
+
+
+def _floor_us(lib: Any, call: Callable[[], Any], calls: int) -> float | None:
+    """The time of the native entry point ``call()`` reaches, called directly on the argument
+    structure ``call()`` builds (``None`` when ``call()`` reaches none)."""
+    found: list[float] = []
+    saved = {name: getattr(lib, name) for name in ENTRY_POINTS}
+
+    def wrap(name: str) -> Callable[[Any], int]:
+        real = saved[name]
+
+        def entry(ref: Any) -> int:
+            status = int(real(ref))
+            args = ref._obj  # the structure byref() points to, alive for this call
+            found.append(_median_us(lambda: real(ctypes.byref(args)), calls))
+            return status
+
+        return entry
+
+    try:
+        for name in ENTRY_POINTS:
+            setattr(lib, name, wrap(name))
+        call()
+    finally:
+        for name, fn in saved.items():
+            setattr(lib, name, fn)
+    return found[0] if found else None
+
+
+def _cases(codec: Any, n: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """op -> (public call, ``backend="cpu"`` call)."""
+    import torch
+
+    import dynamiq.kernels as K
+    from dynamiq.codecs import HopContext
+
+    ctx = HopContext()
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    local = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    payload = codec.encode(x, ctx)
+    return {
+        "encode": (lambda: codec.encode(x, ctx), lambda: K.encode(codec, x, ctx, backend="cpu")),
+        "decode": (
+            lambda: codec.decode(payload, n, ctx),
+            lambda: K.decode(codec, payload, n, ctx, backend="cpu"),
+        ),
+        "reduce": (
+            lambda: codec.reduce(payload, local, ctx, ctx),
+            lambda: K.reduce(codec, payload, local, ctx, ctx, backend="cpu"),
+        ),
+    }
+
+
+def measure(names: list[str], n: int, calls: int) -> list[dict[str, Any]]:
+    from dynamiq.codecs import get_codec
+    from dynamiq.kernels import cpu_native
+
+    lib = cpu_native._load()
+    rows = []
+    for name in names:
+        codec = get_codec(name)
+        native = cpu_native.kernel(codec, "encode") is not None
+        for op, (public, cpu) in _cases(codec, n).items():
+            row: dict[str, Any] = {"codec": name, "op": op, "public_us": _median_us(public, calls)}
+            if native:
+                row["cpu_us"] = _median_us(cpu, calls)
+                row["floor_us"] = _floor_us(lib, cpu, calls)
+                if row["floor_us"] is not None:
+                    row["overhead_us"] = row["cpu_us"] - row["floor_us"]
+            rows.append(row)
+    return rows
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("codecs", nargs="*", help="codec ids (default: every built-in)")
+    parser.add_argument("--numel", type=int, default=4096)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    import torch
+
+    from dynamiq.codecs import get_codec, list_codecs
+
+    torch.set_num_threads(1)
+    builtin = [c for c in list_codecs() if type(get_codec(c)).__module__.startswith("dynamiq.")]
+    names = args.codecs or builtin
+    rows = measure(names, args.numel, args.calls)
+    if args.json:
+        print(json.dumps({"numel": args.numel, "rows": rows}, indent=1))
+        return 0
+    print(f"µs a call, {args.numel} values, 1 thread (median)")
+    print('| codec | op | public | backend="cpu" | kernel (floor) | overhead |')
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [r.get(k) for k in ("public_us", "cpu_us", "floor_us", "overhead_us")]
+        print(f"| {r['codec']} | {r['op']} | " + " | ".join(map(_fmt, cells)) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
