@@ -14,8 +14,9 @@ values (4,096 by default) with one torch thread, the median time of one call of
 captured by wrapping the library's entry point during one dispatched call and timing the
 direct calls inside the wrapper, so every pointer it holds (DynamiQ's pooled budgets
 included) is alive while it runs; it does not depend on how the dispatcher builds its
-arguments. Codecs without a native kernel (``thc``, ``omnireduce``) are listed with their
-``public`` time only (their reference).
+arguments. Codecs with a prologue run under the hop context a one-rank collective passes
+(``ctx.shared`` its result). Codecs without a native kernel (``thc``, ``omnireduce``) are
+listed with their ``public`` time only (their reference).
 
     python benchmarks/dispatch_overhead.py [--numel 4096] [--calls 2000] [--json]
 """
@@ -85,11 +86,10 @@ def _cases(codec: Any, n: int) -> dict[str, tuple[Callable[[], Any], Callable[[]
     import torch
 
     import dynamiq.kernels as K
-    from dynamiq.codecs import HopContext
 
-    ctx = HopContext()
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     local = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    ctx = _context(codec, x, local)
     payload = codec.encode(x, ctx)
     return {
         "encode": (lambda: codec.encode(x, ctx), lambda: K.encode(codec, x, ctx, backend="cpu")),
@@ -102,6 +102,22 @@ def _cases(codec: Any, n: int) -> dict[str, tuple[Callable[[], Any], Callable[[]
             lambda: K.reduce(codec, payload, local, ctx, ctx, backend="cpu"),
         ),
     }
+
+
+def _context(codec: Any, x: Any, local: Any) -> Any:
+    """The hop context of a one-rank collective: ``shared`` holds the codec's prologue result
+    (the agreed tensor scale of ``nvfp4``, DynamiQ's pooled budgets) for ``x + local``, as
+    the engine passes it, so no call computes statistics the prologue already agreed."""
+    from dynamiq.codecs import HopContext
+
+    stats = getattr(codec, "prologue_statistics", None)
+    if not callable(stats):
+        return HopContext()
+    both = x + local
+    part = stats(both, 0, None)
+    if part is None:
+        return HopContext()
+    return HopContext(shared=codec.prologue_result(part, both.numel(), 1, None))
 
 
 def measure(names: list[str], n: int, calls: int) -> list[dict[str, Any]]:

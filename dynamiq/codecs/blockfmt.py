@@ -132,9 +132,9 @@ class BlockCodec(Codec):
             "tensor_scale": True,
         }
     }
-    #: the kernel family (dynamiq/kernels/__init__.py resolves it at the first dispatch:
-    #: :mod:`dynamiq.kernels.block` and the native ``dq_blk_run``); ``None`` in a subclass
-    #: that overrides the reference
+    #: the kernel family (resolved at the first dispatch: :mod:`dynamiq.kernels.block` and the
+    #: native ``dq_blk_run``); declared again for each subclass that keeps the reference,
+    #: ``None`` in one that overrides it
     kernel_family: ClassVar[str | None] = "block"
     nonfinite: ClassVar[str] = (
         "A block holding NaN or ±Inf gets the scale format's NaN code and decodes to NaN; "
@@ -148,10 +148,13 @@ class BlockCodec(Codec):
     tensor_scale: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        # kernels belong to the class that declares them (dynamiq/kernels/_declared.py): a
+        # subclass that keeps the reference computes the same, so it is declared for here; a
+        # changed reference gets none (the generic kernels do not apply)
         super().__init_subclass__(**kwargs)
         overrides = any(op in vars(cls) for op in ("_encode", "_decode", "_reduce"))
-        if overrides and "kernel_family" not in vars(cls):
-            cls.kernel_family = None  # a changed reference: the generic kernels do not apply
+        if "kernel_family" not in vars(cls):
+            cls.kernel_family = None if overrides else cls.kernel_family
 
     def __post_init__(self) -> None:
         for name in ("element", "scale"):

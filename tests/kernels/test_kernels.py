@@ -391,10 +391,12 @@ def test_auto_uses_triton_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> N
     codec = get_codec("mxfp4")
     x = random_values(64, 0, 100.0)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    K._settings.refresh()  # (read once otherwise)
     codec.encode(x)
     assert K.last_backend() == "reference"  # CPU without TRITON_INTERPRET: the fast path
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+        K._settings.refresh()
         before = sum(K.launch_counts().values())
         assert torch.equal(codec.encode(x), K.encode(codec, x, backend="reference"))
         assert sum(K.launch_counts().values()) == before + 1
@@ -405,6 +407,7 @@ def test_auto_uses_triton_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_codec_methods_go_through_the_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    K._settings.refresh()
     codec = get_codec("int4")
     x = random_values(100, 1, 10.0).to(DEVICE)
     payload = codec.encode(x)
