@@ -47,6 +47,7 @@ codes are 0) and decodes to NaN; NaN/±Inf never enter ``A``.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -193,9 +194,10 @@ class BlockCodec(Codec):
         """The block-scale format."""
         return get_format(self.scale)
 
-    @property
+    @functools.cached_property
     def tensor_exp_limits(self) -> tuple[int, int, int]:
-        """``(T, KMIN, KMAX)`` of the per-tensor exponent (module docstring, step 1)."""
+        """``(T, KMIN, KMAX)`` of the per-tensor exponent (module docstring, step 1; computed
+        once per codec: every encode reads it)."""
         top = math.floor(math.log2(self.elem.max * self.scale_fmt.max))
         kmin = -126 - int(math.log2(self.scale_fmt.smallest_subnormal))
         kmax = 127 - (top + 1)

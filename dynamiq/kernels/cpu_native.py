@@ -414,7 +414,39 @@ def _open() -> ctypes.CDLL:
         ctypes.c_int32,
     ]  # fmt: skip
     lib.dq_dyn_group_absmax.restype = ctypes.c_int
+    _check_layouts(lib, path)
     return lib
+
+
+#: the C structures whose layout the library reports (``DQ_LAYOUT`` in ``csrc/common.h``) and
+#: their mirrors here (DynamiQ's ``dq_dyn_args`` is not reported yet)
+_LAYOUTS: dict[str, type[ctypes.Structure]] = {
+    "dq_int_args": _IntArgs,
+    "dq_mx_args": _MXArgs,
+    "dq_blk_args": _BlkArgs,
+    "dq_pt_args": _PTArgs,
+}
+
+
+def _check_layouts(lib: ctypes.CDLL, path: Path) -> None:
+    """Raise ``RuntimeError`` unless each mirrored structure has the C struct's size and field
+    offsets, in order (a mismatch would pass wrong arguments to a kernel: a crash or wrong
+    bytes). It catches added, removed, resized and moved fields; two adjacent fields of one
+    type swapped on one side only keep every offset, so that needs the tests."""
+    buf = (ctypes.c_int64 * 128)()
+    for name, mirror in _LAYOUTS.items():
+        fn = getattr(lib, f"{name}_layout")
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+        fn.restype = ctypes.c_int64
+        got = list(buf[: fn(buf, len(buf))])
+        fields = [f[0] for f in mirror._fields_]
+        want = [ctypes.sizeof(mirror), *(getattr(mirror, f).offset for f in fields)]
+        if got != want:
+            raise RuntimeError(
+                f"{path}: struct {name} (size, then field offsets: {got}) does not match its "
+                f"ctypes mirror {mirror.__name__} ({want}; fields {', '.join(fields)}): "
+                "cpu_native.py and csrc/ disagree"
+            )
 
 
 def available() -> bool:

@@ -8,10 +8,12 @@ The per-call cost this cache exists for is measured by ``benchmarks/dispatch_ove
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -156,3 +158,25 @@ def test_bad_backends_and_arguments_still_raise() -> None:
         with pytest.raises(ValueError, match="payload has"):
             codec.decode(torch.zeros(3, dtype=torch.uint8), 64)
     assert torch.equal(K.encode(codec, x), codec._encode(x, HopContext()))
+
+
+@pytest.mark.skipif(not NATIVE, reason="no C++ compiler: the native CPU kernels cannot run")
+def test_a_struct_mirror_unlike_the_c_struct_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library reports each argument structure's size and field offsets
+    (``csrc/common.h``, ``DQ_LAYOUT``); a ctypes mirror that differs is a ``RuntimeError``
+    when the library loads (the kernels then run on the reference, with a warning), never a
+    call with misplaced arguments."""
+    lib = cpu_native._load()
+    cpu_native._check_layouts(lib, Path("lib.so"))  # the real mirrors match
+    fields = cpu_native._PTArgs._fields_
+
+    class Short(ctypes.Structure):  # a field missing
+        _fields_ = [f for f in fields if f[0] != "out_kind"]
+
+    class Wide(ctypes.Structure):  # a field of the wrong width: the offsets after it move
+        _fields_ = [(n, ctypes.c_int64 if n == "in_kind" else t) for n, t in fields]
+
+    for mirror in (Short, Wide):
+        monkeypatch.setitem(cpu_native._LAYOUTS, "dq_pt_args", mirror)
+        with pytest.raises(RuntimeError, match=f"dq_pt_args .* ctypes mirror {mirror.__name__}"):
+            cpu_native._check_layouts(lib, Path("lib.so"))

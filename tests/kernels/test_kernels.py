@@ -508,7 +508,8 @@ def test_kernel_modules_are_not_imported_by_dynamiq() -> None:
         "assert not [m for m in sys.modules if m.startswith('dynamiq.kernels.') "
         "and m not in ('dynamiq.kernels._stats', 'dynamiq.kernels._compiled', "
         "'dynamiq.kernels.cpu_native', 'dynamiq.kernels._libcache', "  # its cache
-        "'dynamiq.kernels._declared')], "  # the declared families' names (no kernels)
+        "'dynamiq.kernels._declared', "  # the declared families' names (no kernels)
+        "'dynamiq.kernels._settings')], "  # the switches read from the environment
         "'kernel modules imported'"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
