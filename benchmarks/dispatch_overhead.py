@@ -18,7 +18,11 @@ arguments. Codecs with a prologue run under the hop context a one-rank collectiv
 (``ctx.shared`` its result). Codecs without a native kernel (``thc``, ``omnireduce``) are
 listed with their ``public`` time only (their reference).
 
+``--library`` times a ``torch.library`` op around ``int8``'s native encode instead (see
+:func:`library_probe`).
+
     python benchmarks/dispatch_overhead.py [--numel 4096] [--calls 2000] [--json]
+    python benchmarks/dispatch_overhead.py --library
 """
 
 from __future__ import annotations
@@ -140,6 +144,42 @@ def measure(names: list[str], n: int, calls: int) -> list[dict[str, Any]]:
     return rows
 
 
+def library_probe(n: int, calls: int) -> dict[str, float]:
+    """What a ``torch.library`` op would cost (issue 18 item 3): ``int8``'s native encode
+    registered with ``Library.define``/``impl`` (CPU: the native kernel; Meta: the size from
+    ``encoded_nbytes``; the hop context crossing as ints), against the same kernel through
+    the codec's method and called directly (µs a call)."""
+    import torch
+
+    from dynamiq.codecs import HopContext, get_codec
+    from dynamiq.kernels import cpu_native
+
+    codec = get_codec("int8")
+    native = cpu_native._native(codec, "intq")  # the dispatcher's native kernel, unchecked
+    lib = torch.library.Library("dynamiq_probe", "FRAGMENT")
+    lib.define("encode_int(Tensor x, int seed, int step, int hop, int rank, int offset) -> Tensor")
+
+    def cpu(x: Any, seed: int, step: int, hop: int, rank: int, offset: int) -> Any:
+        ctx = HopContext(seed=seed, step=step, hop=hop, rank=rank, offset=offset)
+        return native.encode(codec, x, ctx)
+
+    def meta(x: Any, *ctx: int) -> Any:
+        return x.new_empty(codec.encoded_nbytes(x.numel()), dtype=torch.uint8)
+
+    lib.impl("encode_int", cpu, "CPU")
+    lib.impl("encode_int", meta, "Meta")
+    op = torch.ops.dynamiq_probe.encode_int.default
+    x = torch.randn(n)
+    ctx = HopContext()
+    assert torch.equal(op(x, 0, 0, 0, 0, 0), codec.encode(x, ctx))
+    return {
+        "direct_us": _median_us(lambda: native.encode(codec, x, ctx), calls),
+        "public_us": _median_us(lambda: codec.encode(x, ctx), calls),
+        "library_op_us": _median_us(lambda: op(x, 0, 0, 0, 0, 0), calls),
+        "hop_context_us": _median_us(lambda: HopContext(seed=0, step=0, offset=0), calls),
+    }
+
+
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
@@ -150,8 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=4096)
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--library", action="store_true", help="only the torch.library probe (int8 encode)"
+    )
     args = parser.parse_args(argv)
     import torch
+
+    if args.library:
+        torch.set_num_threads(1)
+        print(json.dumps(library_probe(args.numel, args.calls), indent=1))
+        return 0
 
     from dynamiq.codecs import get_codec, list_codecs
 
