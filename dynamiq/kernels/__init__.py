@@ -84,6 +84,10 @@ from ._declared import declared_family, own_family
 from ._stats import launch_counts
 from .cpu_native import set_cpu_kernels
 
+# the kernels import the codecs, never the reverse at import time (dynamiq/codecs/base.py
+# imports this module at a codec method's first call)
+from dynamiq.codecs.base import _check_ctx, _check_values, check_int  # isort: skip
+
 if TYPE_CHECKING:
     from dynamiq.codecs.base import Codec, HopContext
 
@@ -187,8 +191,6 @@ def encode(
     codec: Codec, x: torch.Tensor, ctx: HopContext | None = None, backend: str = "auto"
 ) -> torch.Tensor:
     """``codec.encode(x, ctx)`` on ``backend`` (same checks, same bytes)."""
-    from dynamiq.codecs.base import _check_ctx, _check_values
-
     ctx = _check_ctx(ctx)
     _check_values("x", x)
     return _encode(codec, x, ctx, backend)
@@ -202,8 +204,6 @@ def decode(
     backend: str = "auto",
 ) -> torch.Tensor:
     """``codec.decode(payload, numel, ctx)`` on ``backend``: an fp32 tensor."""
-    from dynamiq.codecs.base import _check_ctx, check_int
-
     ctx = _check_ctx(ctx)
     check_int("numel", numel, 0)
     codec._check_payload(payload, numel, ctx)
@@ -220,8 +220,6 @@ def reduce(
 ) -> torch.Tensor:
     """``codec.reduce(payload, local, ctx, out_ctx)`` on ``backend``: the fused
     decompress-accumulate-recompress (one pass over memory on the Triton backend)."""
-    from dynamiq.codecs.base import _check_ctx, _check_values
-
     ctx = _check_ctx(ctx)
     out_ctx = ctx if out_ctx is None else _check_ctx(out_ctx)
     _check_values("local", local)
