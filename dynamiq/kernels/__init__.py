@@ -143,9 +143,10 @@ def register_kernels(
 ) -> None:
     """Register Triton kernels for ``codec_cls`` (exactly that class, not its subclasses).
 
-    Operations left ``None`` run on the codec's reference. Registering a class twice raises
-    ``ValueError`` unless ``replace=True``. The kernels are only called when the Triton
-    backend is chosen, so a plugin may import Triton inside them.
+    Operations left ``None`` run on the codec's reference. Registering a class twice, or one
+    that declares a ``kernel_family``, raises ``ValueError`` unless ``replace=True``. The
+    kernels are only called when the Triton backend is chosen, so a plugin may import Triton
+    inside them.
     """
     from dynamiq.codecs.base import Codec
 

@@ -624,7 +624,10 @@ class _Native:
         if n:
             g = 0
             if self.family == "block":  # the sum's absmax, unless the prologue agreed on one
-                total = lambda: self.decode(codec, payload, n, ctx) + local.float()  # noqa: E731
+
+                def total() -> torch.Tensor:
+                    return self.decode(codec, payload, n, ctx) + local.float()
+
                 g = _block_exp(codec, local, out_ctx, total)
             ptrs = (local.data_ptr(), payload.data_ptr(), out.data_ptr(), None)
             self._run(codec, "reduce", n, (out_ctx, ctx), _KIND[local.dtype], ptrs, g)
