@@ -42,7 +42,8 @@ def refresh() -> None:
     cpu_kernels = _env("DYNAMIQ_CPU_KERNELS", "1") not in ("0", "false", "no", "off")
     cpu_kernels = cpu_kernels if kernels is None else kernels
     cpu_compile = _env("DYNAMIQ_CPU_COMPILE", "0") in _TRUE if compiled is None else compiled
-    interpret = _env("TRITON_INTERPRET", "0") in (*_TRUE, "y")
+    # as Triton reads it (no strip)
+    interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in (*_TRUE, "y")
     changed()
 
 
