@@ -773,7 +773,7 @@ def compile_only(arch: int) -> int:
     families["omnireduce"] = komni
     families["thc"] = kthc
     for codec in _codecs().values():
-        family = families[K._builtin_module(type(codec)) or ""]  # the launchers, directly
+        family = families[K.declared_family(codec) or ""]  # the launchers, directly
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = torch.ones(100_000, dtype=dtype)  # launch geometry of real sizes
             p = family.encode(codec, x, ctx)

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     intq._check_error = lambda codec, err: None  # type: ignore[assignment]
     for name in args.codecs:
         codec = get_codec(name)
-        family = {"intq": intq, "mx": mx}[K._builtin_module(type(codec)) or ""]
+        family = {"intq": intq, "mx": mx}[K.declared_family(codec) or ""]
         x = torch.ones(1 << 16)
         ctx = HopContext()
         launches.clear()

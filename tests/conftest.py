@@ -5,6 +5,7 @@ tests start."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 
@@ -33,6 +34,21 @@ def _children_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
         os.environ.pop("TMPDIR", None)
     else:
         os.environ["TMPDIR"] = old
+
+
+@pytest.fixture(autouse=True)
+def _kernel_switches_follow_the_environment() -> Iterator[None]:
+    """The dispatcher reads ``DYNAMIQ_CPU_KERNELS``, ``DYNAMIQ_CPU_COMPILE`` and
+    ``TRITON_INTERPRET`` once (``dynamiq/kernels/_settings.py``): read them again before each
+    test (after the fixtures that set them) and after it (``monkeypatch`` has restored them).
+    A test that changes one mid-way calls ``_settings.refresh()`` itself."""
+    settings_module = sys.modules.get("dynamiq.kernels._settings")
+    if settings_module is not None:
+        settings_module.refresh()
+    yield
+    settings_module = sys.modules.get("dynamiq.kernels._settings")
+    if settings_module is not None:
+        settings_module.refresh()
 
 
 @pytest.fixture

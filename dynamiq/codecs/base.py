@@ -20,8 +20,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from dynamiq import kernels as _kernels
-
 __all__ = [
     "FLOAT_DTYPES",
     "FP32_MAX",
@@ -35,6 +33,20 @@ FP32_MAX = float.fromhex("0x1.fffffep127")  # 3.4028234663852886e38
 
 #: Input dtypes every codec accepts.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+#: :mod:`dynamiq.kernels`, imported at the first call of a codec method (the kernels import the
+#: codecs; ``import dynamiq.codecs`` imports no kernel module)
+_kernels: Any = None
+
+
+def _dispatcher() -> Any:
+    global _kernels
+    if _kernels is None:
+        from dynamiq import kernels
+
+        _kernels = kernels
+    return _kernels
+
 
 _INT_FIELDS = ("seed", "step", "hop", "num_hops", "rank", "contributions", "offset", "world_size")
 #: each int field's range: seed, step and offset are 64-bit counter words, the others fit in
@@ -150,12 +162,18 @@ class Codec:
         homomorphic: ``reduce`` aggregates without decompressing (its result decodes within the
             bound of ``decode(payload) + local`` instead of being bit-identical to re-encoding).
         nonfinite: what happens to NaN/±Inf inputs (a sentence, shown in the docs).
+        kernel_family: the family of fused kernels that computes exactly what the reference
+            does (``"intq"``, ``"mx"``, ``"block"``, ...: dynamiq/kernels/_declared.py),
+            resolved at the first dispatch; ``None`` (the default): the reference only. Only
+            a declaration in a class's own body counts: a subclass runs on its reference
+            until it declares (or registers) kernels itself.
     """
 
     codec_id: ClassVar[str]
     presets: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     homomorphic: ClassVar[bool] = False
     nonfinite: ClassVar[str] = ""
+    kernel_family: ClassVar[str | None] = None
 
     # -- configuration ----------------------------------------------------------------------
 
@@ -216,7 +234,7 @@ class Codec:
         """Encode 1-D fp32/bf16/fp16 ``x`` into a self-contained uint8 payload."""
         ctx = _check_ctx(ctx)
         _check_values("x", x)
-        return _kernels.encode(self, x, ctx, backend="auto")
+        return (_kernels or _dispatcher())._encode(self, x, ctx, "auto")
 
     def decode(
         self,
@@ -231,7 +249,7 @@ class Codec:
         self._check_payload(payload, numel, ctx)
         if out is not None:
             _check_out(out, numel, payload.device)
-        result = _kernels.decode(self, payload, numel, ctx, backend="auto")
+        result = (_kernels or _dispatcher())._decode(self, payload, numel, ctx, "auto")
         if out is None:
             return result
         out.copy_(result)
@@ -259,7 +277,7 @@ class Codec:
                 f"(got {payload.device} and {local.device})"
             )
         self._check_payload(payload, local.numel(), ctx)
-        return _kernels.reduce(self, payload, local, ctx, out_ctx, backend="auto")
+        return (_kernels or _dispatcher())._reduce(self, payload, local, ctx, out_ctx, "auto")
 
     # -- what subclasses implement ----------------------------------------------------------
 

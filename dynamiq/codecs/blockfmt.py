@@ -47,6 +47,7 @@ codes are 0) and decodes to NaN; NaN/±Inf never enter ``A``.
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -141,9 +142,9 @@ class BlockCodec(Codec):
             "tensor_scale": True,
         }
     }
-    #: the kernel family (dynamiq/kernels/__init__.py resolves it at the first dispatch:
-    #: :mod:`dynamiq.kernels.block` and the native ``dq_blk_run``); ``None`` in a subclass
-    #: that overrides the reference
+    #: the kernel family (resolved at the first dispatch: :mod:`dynamiq.kernels.block` and the
+    #: native ``dq_blk_run``); declared again for each subclass that keeps the reference,
+    #: ``None`` in one that overrides it
     kernel_family: ClassVar[str | None] = "block"
     nonfinite: ClassVar[str] = (
         "A block holding NaN or ±Inf gets the scale format's NaN code and decodes to NaN; "
@@ -157,10 +158,13 @@ class BlockCodec(Codec):
     tensor_scale: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        # kernels belong to the class that declares them (dynamiq/kernels/_declared.py): a
+        # subclass that keeps the reference computes the same, so it is declared for here; a
+        # changed reference gets none (the generic kernels do not apply)
         super().__init_subclass__(**kwargs)
         overrides = any(op in vars(cls) for op in ("_encode", "_decode", "_reduce"))
-        if overrides and "kernel_family" not in vars(cls):
-            cls.kernel_family = None  # a changed reference: the generic kernels do not apply
+        if "kernel_family" not in vars(cls):
+            cls.kernel_family = None if overrides else cls.kernel_family
 
     def __post_init__(self) -> None:
         for name in ("element", "scale"):
@@ -199,9 +203,10 @@ class BlockCodec(Codec):
         """The block-scale format."""
         return get_format(self.scale)
 
-    @property
+    @functools.cached_property
     def tensor_exp_limits(self) -> tuple[int, int, int]:
-        """``(T, KMIN, KMAX)`` of the per-tensor exponent (module docstring, step 1)."""
+        """``(T, KMIN, KMAX)`` of the per-tensor exponent (module docstring, step 1; computed
+        once per codec: every encode reads it)."""
         top = math.floor(math.log2(self.elem.max * self.scale_fmt.max))
         kmin = -126 - int(math.log2(self.scale_fmt.smallest_subnormal))
         kmax = 127 - (top + 1)

@@ -290,6 +290,7 @@ class DynamiqCodec(Codec):
     """
 
     codec_id: ClassVar[str] = "dynamiq"
+    kernel_family: ClassVar[str | None] = "dynamiq"  # dynamiq/kernels/_declared.py
     nonfinite: ClassVar[str] = (
         "A super-group holding NaN or ±Inf gets a NaN scale and decodes to NaN."
     )

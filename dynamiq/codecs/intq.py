@@ -82,6 +82,7 @@ class IntCodec(Codec):
     """
 
     codec_id: ClassVar[str] = "int"
+    kernel_family: ClassVar[str | None] = "intq"  # dynamiq/kernels/_declared.py
     presets: ClassVar[dict[str, dict[str, Any]]] = {f"int{b}": {"bits": b} for b in range(2, 9)}
     nonfinite: ClassVar[str] = "A block holding NaN or ±Inf gets a NaN scale and decodes to NaN."
 

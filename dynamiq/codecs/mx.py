@@ -128,6 +128,7 @@ class MXFP8E4M3(MXCodec):
     """MXFP8 with E4M3 elements (8.25 bits/value)."""
 
     codec_id: ClassVar[str] = "mxfp8_e4m3"
+    kernel_family: ClassVar[str | None] = "mx"  # dynamiq/kernels/_declared.py
     element: ClassVar[ElementFormat] = FLOAT8_E4M3FN
 
 
@@ -137,6 +138,7 @@ class MXFP8E5M2(MXCodec):
     """MXFP8 with E5M2 elements (8.25 bits/value)."""
 
     codec_id: ClassVar[str] = "mxfp8_e5m2"
+    kernel_family: ClassVar[str | None] = "mx"  # dynamiq/kernels/_declared.py
     element: ClassVar[ElementFormat] = FLOAT8_E5M2
 
 
@@ -146,6 +148,7 @@ class MXFP6E3M2(MXCodec):
     """MXFP6 with E3M2 elements (6.25 bits/value)."""
 
     codec_id: ClassVar[str] = "mxfp6_e3m2"
+    kernel_family: ClassVar[str | None] = "mx"  # dynamiq/kernels/_declared.py
     element: ClassVar[ElementFormat] = FLOAT6_E3M2FN
 
 
@@ -155,6 +158,7 @@ class MXFP6E2M3(MXCodec):
     """MXFP6 with E2M3 elements (6.25 bits/value)."""
 
     codec_id: ClassVar[str] = "mxfp6_e2m3"
+    kernel_family: ClassVar[str | None] = "mx"  # dynamiq/kernels/_declared.py
     element: ClassVar[ElementFormat] = FLOAT6_E2M3FN
 
 
@@ -164,6 +168,7 @@ class MXFP4(MXCodec):
     """MXFP4 with E2M1 elements (4.25 bits/value)."""
 
     codec_id: ClassVar[str] = "mxfp4"
+    kernel_family: ClassVar[str | None] = "mx"  # dynamiq/kernels/_declared.py
     element: ClassVar[ElementFormat] = FLOAT4_E2M1FN
 
 
@@ -173,4 +178,5 @@ class MXINT8(MXCodec):
     """MXINT8: symmetric int8 elements with an implicit 2^-6 (8.25 bits/value)."""
 
     codec_id: ClassVar[str] = "mxint8"
+    kernel_family: ClassVar[str | None] = "mx"  # dynamiq/kernels/_declared.py
     element: ClassVar[ElementFormat] = INT8

@@ -95,6 +95,7 @@ class OmniReduceCodec(Codec):
     """
 
     codec_id: ClassVar[str] = "omnireduce"
+    kernel_family: ClassVar[str | None] = "omnireduce"  # dynamiq/kernels/_declared.py
     homomorphic: ClassVar[bool] = True
     nonfinite: ClassVar[str] = (
         "A block holding NaN or ±Inf is always sent; NaN stays NaN and ±Inf stays ±Inf "

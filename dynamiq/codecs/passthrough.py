@@ -101,6 +101,7 @@ class FP32Codec(PassThroughCodec):
     """Uncompressed fp32 (32 bits/value); exact."""
 
     codec_id: ClassVar[str] = "fp32"
+    kernel_family: ClassVar[str | None] = "passthrough"  # dynamiq/kernels/_declared.py
     dtype: ClassVar[torch.dtype] = torch.float32
 
 
@@ -110,6 +111,7 @@ class BF16Codec(PassThroughCodec):
     """bfloat16 (16 bits/value), round-to-nearest-even, saturating."""
 
     codec_id: ClassVar[str] = "bf16"
+    kernel_family: ClassVar[str | None] = "passthrough"  # dynamiq/kernels/_declared.py
     dtype: ClassVar[torch.dtype] = torch.bfloat16
 
 
@@ -119,4 +121,5 @@ class FP16Codec(PassThroughCodec):
     """IEEE float16 (16 bits/value), round-to-nearest-even, saturating at ±65504."""
 
     codec_id: ClassVar[str] = "fp16"
+    kernel_family: ClassVar[str | None] = "passthrough"  # dynamiq/kernels/_declared.py
     dtype: ClassVar[torch.dtype] = torch.float16

@@ -347,6 +347,7 @@ class ThcCodec(Codec):
     """
 
     codec_id: ClassVar[str] = "thc"
+    kernel_family: ClassVar[str | None] = "thc"  # dynamiq/kernels/_declared.py
     homomorphic: ClassVar[bool] = True
     nonfinite: ClassVar[str] = (
         "A block holding NaN or ±Inf is flagged in the payload's bitmap and decodes to NaN; it "

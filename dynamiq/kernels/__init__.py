@@ -20,15 +20,31 @@ Implements docs/design.md, "Kernels". :func:`encode`, :func:`decode` and :func:`
   or the ``torch.compile`` path below is switched on); the reference otherwise, and for
   codecs without kernels.
 
+``DYNAMIQ_CPU_KERNELS``, ``DYNAMIQ_CPU_COMPILE`` and ``TRITON_INTERPRET`` are read when this
+module is imported and again whenever :func:`set_cpu_kernels` or :func:`set_cpu_compile` runs,
+never per call (:mod:`dynamiq.kernels._settings`).
+
+**Which kernels.** A codec class declares its family in ``kernel_family`` (read at the first
+dispatch; ``import dynamiq.codecs`` imports no kernel module): the Triton module
+``dynamiq.kernels.<family>`` and, but for ``"thc"`` and ``"omnireduce"``, a native CPU entry
+point (:mod:`dynamiq.kernels._declared`). Plugins declare a family or call
+:func:`register_kernels`.
+
+**Per call.** What a call runs is resolved once per codec (by identity; the cache holds the
+codec), operation, device type and backend, and cached until a setter or
+:func:`register_kernels` changes something; the public methods validate their arguments once
+and call the dispatcher's validated entry points; a native kernel's argument structure is
+built once per codec configuration (``benchmarks/dispatch_overhead.py`` measures the cost).
+
 Every built-in codec has Triton kernels, bit-exact with its reference:
 :mod:`dynamiq.kernels.passthrough` (``fp32``/``bf16``/``fp16``), :mod:`~dynamiq.kernels.intq`,
 :mod:`~dynamiq.kernels.mx`, :mod:`~dynamiq.kernels.dynamiq`, :mod:`~dynamiq.kernels.thc`,
-:mod:`~dynamiq.kernels.omnireduce` and :mod:`~dynamiq.kernels.block` (every codec that
-declares ``kernel_family = "block"``, :mod:`dynamiq.kernels._declared`: the block formats of
+:mod:`~dynamiq.kernels.omnireduce` and :mod:`~dynamiq.kernels.block` (the block formats of
 :mod:`dynamiq.codecs.blockfmt`, plugins' included). Plugin codecs add others with
 :func:`register_kernels`.
 Kernels belong to a class, not to its subclasses (a subclass may change what the reference
-computes): a subclass runs on its reference until it registers kernels itself.
+computes): a subclass runs on its reference until it declares or registers kernels itself
+(``BlockCodec`` declares for its subclasses that keep the reference).
 
 On the CPU the reference can run compiled by ``torch.compile`` (bit-exact, several times
 faster on large inputs, but 15-50 s of compilation per codec configuration the first time):
@@ -62,11 +78,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _compiled, cpu_native
+from . import _compiled, _settings, cpu_native
 from ._compiled import set_cpu_compile
-from ._declared import declared_family
+from ._declared import declared_family, own_family
 from ._stats import launch_counts
 from .cpu_native import set_cpu_kernels
+
+# the kernels import the codecs, never the reverse at import time (dynamiq/codecs/base.py
+# imports this module at a codec method's first call)
+from dynamiq.codecs.base import _check_ctx, _check_values, check_int  # isort: skip
 
 if TYPE_CHECKING:
     from dynamiq.codecs.base import Codec, HopContext
@@ -108,18 +128,6 @@ class KernelSet:
     reduce: ReduceKernel | None = None
 
 
-#: built-in codec classes -> the kernel module of their family (imported on first use)
-_BUILTIN = {
-    "dynamiq.codecs.passthrough.FP32Codec": "passthrough",
-    "dynamiq.codecs.passthrough.BF16Codec": "passthrough",
-    "dynamiq.codecs.passthrough.FP16Codec": "passthrough",
-    "dynamiq.codecs.intq.IntCodec": "intq",
-    "dynamiq.codecs.dynamiq_codec.DynamiqCodec": "dynamiq",
-    "dynamiq.codecs.thc.ThcCodec": "thc",
-    "dynamiq.codecs.omnireduce.OmniReduceCodec": "omnireduce",
-    **{f"dynamiq.codecs.mx.{c}": "mx" for c in ("MXFP8E4M3", "MXFP8E5M2", "MXFP6E3M2")},
-    **{f"dynamiq.codecs.mx.{c}": "mx" for c in ("MXFP6E2M3", "MXFP4", "MXINT8")},
-}
 _PLUGINS: dict[type, KernelSet] = {}
 _LOCK = threading.Lock()
 _LOCAL = threading.local()
@@ -135,9 +143,10 @@ def register_kernels(
 ) -> None:
     """Register Triton kernels for ``codec_cls`` (exactly that class, not its subclasses).
 
-    Operations left ``None`` run on the codec's reference. Registering a class twice raises
-    ``ValueError`` unless ``replace=True``. The kernels are only called when the Triton
-    backend is chosen, so a plugin may import Triton inside them.
+    Operations left ``None`` run on the codec's reference. Registering a class twice, or one
+    that declares a ``kernel_family``, raises ``ValueError`` unless ``replace=True``. The
+    kernels are only called when the Triton backend is chosen, so a plugin may import Triton
+    inside them.
     """
     from dynamiq.codecs.base import Codec
 
@@ -150,12 +159,13 @@ def register_kernels(
     if all(fn is None for fn in given.values()):
         raise ValueError("register_kernels needs at least one of encode, decode, reduce")
     with _LOCK:
-        if (codec_cls in _PLUGINS or _builtin_module(codec_cls)) and not replace:
+        if (codec_cls in _PLUGINS or own_family(codec_cls)) and not replace:
             raise ValueError(
                 f"kernels for {codec_cls.__module__}.{codec_cls.__qualname__} are already "
-                "registered; pass replace=True to override them"
+                "registered (or declared: kernel_family); pass replace=True to override them"
             )
         _PLUGINS[codec_cls] = KernelSet(encode=encode, decode=decode, reduce=reduce)
+        _settings.changed()
 
 
 def has_kernels(codec: Codec, op: str | None = None) -> bool:
@@ -166,7 +176,7 @@ def has_kernels(codec: Codec, op: str | None = None) -> bool:
     if cls in _PLUGINS:
         ks = _PLUGINS[cls]
         return any(getattr(ks, o) is not None for o in ([op] if op else _OPS))
-    return _builtin_module(cls) is not None or declared_family(codec) is not None
+    return declared_family(codec) is not None
 
 
 def last_backend() -> str | None:
@@ -182,18 +192,9 @@ def encode(
     codec: Codec, x: torch.Tensor, ctx: HopContext | None = None, backend: str = "auto"
 ) -> torch.Tensor:
     """``codec.encode(x, ctx)`` on ``backend`` (same checks, same bytes)."""
-    from dynamiq.codecs.base import _check_ctx, _check_values
-
     ctx = _check_ctx(ctx)
     _check_values("x", x)
-    fn = _choose(codec, "encode", x.device, backend, x.numel())
-    if fn is None:
-        out = _reference(codec, "encode", x.device, x.numel(), x, ctx)
-    else:
-        with _kernel_scope(x.device, fn):
-            out = fn(codec, x, ctx)
-    _done(fn)
-    return out
+    return _encode(codec, x, ctx, backend)
 
 
 def decode(
@@ -204,19 +205,10 @@ def decode(
     backend: str = "auto",
 ) -> torch.Tensor:
     """``codec.decode(payload, numel, ctx)`` on ``backend``: an fp32 tensor."""
-    from dynamiq.codecs.base import _check_ctx, check_int
-
     ctx = _check_ctx(ctx)
     check_int("numel", numel, 0)
     codec._check_payload(payload, numel, ctx)
-    fn = _choose(codec, "decode", payload.device, backend, numel)
-    if fn is None:
-        out = _reference(codec, "decode", payload.device, numel, payload, numel, ctx)
-    else:
-        with _kernel_scope(payload.device, fn):
-            out = fn(codec, payload, numel, ctx)
-    _done(fn)
-    return out
+    return _decode(codec, payload, numel, ctx, backend)
 
 
 def reduce(
@@ -229,8 +221,6 @@ def reduce(
 ) -> torch.Tensor:
     """``codec.reduce(payload, local, ctx, out_ctx)`` on ``backend``: the fused
     decompress-accumulate-recompress (one pass over memory on the Triton backend)."""
-    from dynamiq.codecs.base import _check_ctx, _check_values
-
     ctx = _check_ctx(ctx)
     out_ctx = ctx if out_ctx is None else _check_ctx(out_ctx)
     _check_values("local", local)
@@ -240,54 +230,141 @@ def reduce(
             f"(got {payload.device} and {local.device})"
         )
     codec._check_payload(payload, local.numel(), ctx)
-    fn = _choose(codec, "reduce", local.device, backend, local.numel())
+    return _reduce(codec, payload, local, ctx, out_ctx, backend)
+
+
+# the validated operations (Codec's own methods call these after their checks: each argument
+# is checked once)
+
+
+def _encode(codec: Codec, x: torch.Tensor, ctx: HopContext, backend: str) -> torch.Tensor:
+    plan = _plan(codec, "encode", x, backend)
+    numel = x.numel()
+    fn = plan.pick(numel)
     if fn is None:
-        out = _reference(codec, "reduce", local.device, local.numel(), payload, local, ctx, out_ctx)
-    else:
-        with _kernel_scope(local.device, fn):
-            out = fn(codec, payload, local, ctx, out_ctx)
-    _done(fn)
+        _LOCAL.backend = "reference"
+        out = _reference(codec, "encode", x.device, numel, x, ctx)
+        _LOCAL.backend = "reference"
+        return out
+    _LOCAL.backend = plan.backend
+    out = fn(codec, x, ctx)
+    _LOCAL.backend = plan.backend  # again: the kernel may have dispatched other calls
+    return out
+
+
+def _decode(
+    codec: Codec, payload: torch.Tensor, numel: int, ctx: HopContext, backend: str
+) -> torch.Tensor:
+    plan = _plan(codec, "decode", payload, backend)
+    fn = plan.pick(numel)
+    if fn is None:
+        _LOCAL.backend = "reference"
+        out = _reference(codec, "decode", payload.device, numel, payload, numel, ctx)
+        _LOCAL.backend = "reference"
+        return out
+    _LOCAL.backend = plan.backend
+    out = fn(codec, payload, numel, ctx)
+    _LOCAL.backend = plan.backend
+    return out
+
+
+def _reduce(
+    codec: Codec,
+    payload: torch.Tensor,
+    local: torch.Tensor,
+    ctx: HopContext,
+    out_ctx: HopContext,
+    backend: str,
+) -> torch.Tensor:
+    plan = _plan(codec, "reduce", local, backend)
+    numel = local.numel()
+    fn = plan.pick(numel)
+    if fn is None:
+        _LOCAL.backend = "reference"
+        out = _reference(codec, "reduce", local.device, numel, payload, local, ctx, out_ctx)
+        _LOCAL.backend = "reference"
+        return out
+    _LOCAL.backend = plan.backend
+    out = fn(codec, payload, local, ctx, out_ctx)
+    _LOCAL.backend = plan.backend
     return out
 
 
 def _reference(codec: Codec, op: str, device: torch.device, numel: int, *args: Any) -> Any:
     """The codec's reference; on the CPU, compiled when that is switched on (opt-in)."""
-    if device.type == "cpu" and numel >= _compiled.MIN_NUMEL and _compiled.cpu_compile_enabled():
-        if _class_name(type(codec)) in _SELF_COMPILED:
+    if _settings.cpu_compile and numel >= _compiled.MIN_NUMEL and device.type == "cpu":
+        family = declared_family(codec)
+        if family == "dynamiq":  # compiles its own per-block functions
             return getattr(codec, f"_{op}")(*args, compiled=True)
-        if _compilable(codec):
+        if _compilable(codec, family):
             return _compiled.run(codec, op, *args)
     return getattr(codec, f"_{op}")(*args)
 
 
-#: built-in references that compile their own per-block functions on the CPU fast path
-#: (``codec._{op}(..., compiled=True)``) instead of a ``torch.compile`` of the whole method
-_SELF_COMPILED = {"dynamiq.codecs.dynamiq_codec.DynamiqCodec"}
-
-
-def _class_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _compilable(codec: Codec) -> bool:
+def _compilable(codec: Codec, family: str | None) -> bool:
     # built-in references that do not read the hop context (no recompilation per context;
-    # DynamiQ's budget and span loop read it)
-    if _builtin_module(type(codec)) in (None, "dynamiq"):
-        return False  # (declared families read the prologue's result: not compiled either)
+    # DynamiQ's budget and span loop read it, a declared block format the prologue's result)
+    if family in (None, "dynamiq", "block"):
+        return False
     return getattr(codec, "rounding", "nearest") == "nearest"
 
 
-# -- backend choice -------------------------------------------------------------------------
+# -- backend choice, resolved once per codec, operation, device type and backend -------------
 
 
-def _choose(codec: Codec, op: str, device: torch.device, backend: str, numel: int) -> Any:
-    """The Triton (or native CPU) implementation of ``op`` to run, or ``None`` for the
-    reference."""
+class _Plan:
+    """What one ``(codec, op, device type, backend)`` resolves to: ``fn`` the kernel with the
+    dispatcher's signature (``None``: the reference), ``backend`` its name for
+    :func:`last_backend`, ``min_numel`` the size below which the reference runs instead
+    (``backend="auto"`` on the CPU). ``pending``: the native kernel is looked up (and the
+    library built) at the first call that needs it, not before."""
+
+    __slots__ = ("backend", "codec", "fn", "generation", "min_numel", "op", "pending")
+
+    def __init__(self, codec: Codec, op: str, fn: Any, backend: str, generation: int) -> None:
+        self.codec = codec
+        self.op = op
+        self.fn = fn
+        self.backend = backend
+        self.generation = generation
+        self.min_numel = 0
+        self.pending = False
+
+    def pick(self, numel: int) -> Any:
+        """The kernel for ``numel`` values, or ``None`` for the reference."""
+        if numel < self.min_numel:
+            return None
+        if self.pending:
+            self.fn = cpu_native.kernel(self.codec, self.op)  # None: unavailable here
+            self.pending = False
+        return self.fn
+
+
+#: resolved plans: (id(codec), op, device type, backend) -> plan (holding the codec, so the id
+#: is not reused while it is cached); cleared when full
+_PLANS: dict[tuple[int, str, str, str], _Plan] = {}
+_MAX_PLANS = 512
+
+
+def _plan(codec: Codec, op: str, t: torch.Tensor, backend: str) -> _Plan:
+    key = (id(codec), op, "cpu" if t.is_cpu else t.device.type, backend)
+    plan = _PLANS.get(key)
+    if plan is None or plan.codec is not codec or plan.generation != _settings.generation:
+        plan = _resolve(codec, op, key[2], backend)
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _resolve(codec: Codec, op: str, device: str, backend: str) -> _Plan:
+    """Choose the Triton (or native CPU) implementation of ``op``, or the reference; raises
+    what a forced backend cannot do."""
+    generation = _settings.generation
     if backend not in BACKENDS:
         raise ValueError(
             f"backend must be one of {', '.join(map(repr, BACKENDS))} (got {backend!r})"
         )
-    fn = None
     if backend == "triton":
         fn = _kernel(codec, op, device)
         if fn is None:
@@ -296,35 +373,42 @@ def _choose(codec: Codec, op: str, device: torch.device, backend: str, numel: in
                 f"for {op}; register one with dynamiq.kernels.register_kernels or use "
                 "backend='reference'"
             )
-    elif backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"backend='cpu' runs CPU tensors (got {device.type} tensors)")
-        fn = cpu_native.kernel(codec, op, required=True)
-    elif backend == "auto" and _auto_triton(device) and has_kernels(codec, op):
+        return _Plan(codec, op, _scoped(fn) if device == "cpu" else fn, "triton", generation)
+    if backend == "cpu":
+        if device != "cpu":
+            raise ValueError(f"backend='cpu' runs CPU tensors (got {device} tensors)")
+        return _Plan(codec, op, cpu_native.kernel(codec, op, required=True), "cpu", generation)
+    if backend == "auto" and _auto_triton(device) and has_kernels(codec, op):
         fn = _kernel(codec, op, device)
-    elif (
+        return _Plan(codec, op, _scoped(fn) if device == "cpu" else fn, "triton", generation)
+    plan = _Plan(codec, op, None, "cpu", generation)
+    if (
         backend == "auto"
-        and device.type == "cpu"
-        and numel >= cpu_native.MIN_NUMEL
-        and cpu_native.cpu_kernels_enabled()
-        and not _compiled.cpu_compile_enabled()
+        and device == "cpu"
+        and _settings.cpu_kernels
+        and not _settings.cpu_compile
+        and cpu_native._family(codec) is not None
     ):
-        fn = cpu_native.kernel(codec, op)  # None: no native kernel, or it cannot be built
-    _done(fn)
-    return fn
+        plan.min_numel, plan.pending = cpu_native.MIN_NUMEL, True
+    return plan
 
 
-def _done(fn: Any) -> None:
-    # set before and after the call: a codec whose reference calls other codecs' public
-    # methods (nested dispatches) reports its own backend
-    _LOCAL.backend = "reference" if fn is None else getattr(fn, "dynamiq_backend", "triton")
+def _scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a Triton kernel run on CPU tensors) inside :func:`_kernel_scope`."""
+    cpu = torch.device("cpu")
+
+    def run(*args: Any) -> Any:
+        with _kernel_scope(cpu):
+            return fn(*args)
+
+    return run
 
 
-def _auto_triton(device: torch.device) -> bool:
-    if device.type == "cuda":
+def _auto_triton(device: str) -> bool:
+    if device == "cuda":
         return _triton_installed()
     # the CPU: only when the user asked for the interpreter (and Triton can still use it)
-    if device.type != "cpu" or _ENV_SET_HERE or not _interpret_env():
+    if device != "cpu" or _ENV_SET_HERE or not _settings.interpret:
         return False
     if "triton" in sys.modules:
         return _triton_interpreting()
@@ -341,11 +425,11 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _kernel(codec: Codec, op: str, device: torch.device) -> Any:
-    if device.type not in ("cuda", "cpu"):
+def _kernel(codec: Codec, op: str, device: str) -> Any:
+    if device not in ("cuda", "cpu"):
         raise RuntimeError(
             f"the Triton backend runs on CUDA tensors (natively) and CPU tensors (interpreter), "
-            f"not on {device.type}; use backend='reference'"
+            f"not on {device}; use backend='reference'"
         )
     if not _triton_installed():
         raise ImportError(
@@ -355,14 +439,10 @@ def _kernel(codec: Codec, op: str, device: torch.device) -> Any:
     cls = type(codec)
     if cls in _PLUGINS:
         return getattr(_PLUGINS[cls], op)
-    name = _builtin_module(cls) or declared_family(codec)
+    name = declared_family(codec)
     if name is None:
         return None
-    return getattr(_builtin(name, interpret=device.type == "cpu"), op)
-
-
-def _builtin_module(cls: type) -> str | None:
-    return _BUILTIN.get(f"{cls.__module__}.{cls.__qualname__}")
+    return getattr(_builtin(name, interpret=device == "cpu"), op)
 
 
 # -- loading the built-in kernel modules ------------------------------------------------------
@@ -398,6 +478,7 @@ def _builtin(name: str, *, interpret: bool) -> types.ModuleType:
         if interpret and "triton" not in sys.modules and not _interpret_env():
             os.environ["TRITON_INTERPRET"] = "1"
             _ENV_SET_HERE = True
+            _settings.changed()
         interpreted = _triton_interpreting()
         if interpret and not interpreted:
             raise RuntimeError(_COMPILED_MODE)
@@ -439,12 +520,12 @@ def _env(key: str, value: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _kernel_scope(device: torch.device, fn: Any = None) -> Iterator[None]:
-    """Run a kernel. On the CPU, Triton's interpreter runs it: ``TRITON_INTERPRET=1`` must
-    hold while it launches (Triton imports parts of itself lazily, checking the mode), and
-    it computes with NumPy, whose warnings about IEEE results (Inf - Inf, overflow to Inf)
-    are expected: silence them there. (Native CPU kernels need neither.)"""
-    if device.type != "cpu" or getattr(fn, "dynamiq_backend", "triton") != "triton":
+def _kernel_scope(device: torch.device) -> Iterator[None]:
+    """Run a Triton kernel. On the CPU, Triton's interpreter runs it: ``TRITON_INTERPRET=1``
+    must hold while it launches (Triton imports parts of itself lazily, checking the mode),
+    and it computes with NumPy, whose warnings about IEEE results (Inf - Inf, overflow to
+    Inf) are expected: silence them there."""
+    if device.type != "cpu":
         yield
         return
     import numpy as np

@@ -20,12 +20,13 @@ run it instead of them.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from . import _settings
 
 if TYPE_CHECKING:
     from dynamiq.codecs.base import Codec
@@ -36,20 +37,21 @@ __all__ = ["MIN_NUMEL", "cpu_compile_enabled", "failed", "run", "set_cpu_compile
 MIN_NUMEL = 1 << 16
 
 _LOCK = threading.Lock()
-_SETTING: bool | None = None
 _CACHE: dict[tuple[Any, str], Callable[..., Any] | None] = {}
 
 
 def set_cpu_compile(enabled: bool | None) -> None:
-    """Turn the compiled CPU reference on or off (``None``: follow ``DYNAMIQ_CPU_COMPILE``)."""
-    global _SETTING
-    _SETTING = enabled
+    """Turn the compiled CPU reference on or off (``None``: follow ``DYNAMIQ_CPU_COMPILE``,
+    read now; the environment is read at import and by the setters only:
+    :mod:`dynamiq.kernels._settings`)."""
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool or None (got {type(enabled).__name__})")
+    _settings.override("cpu_compile", enabled)
 
 
 def cpu_compile_enabled() -> bool:
-    if _SETTING is not None:
-        return _SETTING
-    return os.environ.get("DYNAMIQ_CPU_COMPILE", "0").lower() in ("1", "true", "yes", "on")
+    """Whether the compiled CPU reference is switched on."""
+    return _settings.cpu_compile
 
 
 def failed(codec: Codec, op: str) -> bool:

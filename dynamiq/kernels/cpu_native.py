@@ -46,6 +46,11 @@ elsewhere, portable loops give the same bytes.
 at least :data:`MIN_NUMEL` values (unless ``DYNAMIQ_CPU_KERNELS=0``, :func:`set_cpu_kernels`
 ``(False)``, or the ``torch.compile`` path was switched on explicitly); ``backend="cpu"``
 forces them (an error if they cannot run); ``backend="reference"`` is the plain reference.
+Which codecs: those whose class declares a family with an entry point here
+(``kernel_family``: :mod:`dynamiq.kernels._declared`). Per codec configuration the argument
+structure is filled once (:class:`_Native`); a call copies it and sets the buffers, the
+length and the thread count, and takes arguments the dispatcher validated already (the
+module's own :func:`encode`, :func:`decode` and :func:`reduce` check theirs).
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _libcache
+from . import _libcache, _settings
+from ._declared import declared_family
 from ._libcache import UnsafeCacheWarning
 from ._stats import record_launch
 
@@ -245,25 +251,20 @@ _ROUNDING = {"nearest": 0, "stochastic": 1, "correlated": 2}
 
 # -- switch -----------------------------------------------------------------------------------
 
-_SETTING: bool | None = None
-
 
 def set_cpu_kernels(enabled: bool | None) -> None:
     """Let ``backend="auto"`` use the native CPU kernels or not (``None``: follow
-    ``DYNAMIQ_CPU_KERNELS``, on unless it is ``0``/``false``/``no``/``off``)."""
-    global _SETTING
+    ``DYNAMIQ_CPU_KERNELS``, on unless it is ``0``/``false``/``no``/``off``, read now; the
+    environment is read at import and by the setters only: :mod:`dynamiq.kernels._settings`)."""
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool or None (got {type(enabled).__name__})")
-    _SETTING = enabled
+    _settings.override("cpu_kernels", enabled)
 
 
 def cpu_kernels_enabled() -> bool:
     """Whether ``backend="auto"`` may use the native CPU kernels (they may still be
     unavailable: see :func:`available`)."""
-    if _SETTING is not None:
-        return _SETTING
-    env = os.environ.get("DYNAMIQ_CPU_KERNELS", "1").strip().lower()
-    return env not in ("0", "false", "no", "off")
+    return _settings.cpu_kernels
 
 
 # -- build and load ---------------------------------------------------------------------------
@@ -413,7 +414,39 @@ def _open() -> ctypes.CDLL:
         ctypes.c_int32,
     ]  # fmt: skip
     lib.dq_dyn_group_absmax.restype = ctypes.c_int
+    _check_layouts(lib, path)
     return lib
+
+
+#: the C structures whose layout the library reports (``DQ_LAYOUT`` in ``csrc/common.h``) and
+#: their mirrors here (DynamiQ's ``dq_dyn_args`` is not reported yet)
+_LAYOUTS: dict[str, type[ctypes.Structure]] = {
+    "dq_int_args": _IntArgs,
+    "dq_mx_args": _MXArgs,
+    "dq_blk_args": _BlkArgs,
+    "dq_pt_args": _PTArgs,
+}
+
+
+def _check_layouts(lib: ctypes.CDLL, path: Path) -> None:
+    """Raise ``RuntimeError`` unless each mirrored structure has the C struct's size and field
+    offsets, in order (a mismatch would pass wrong arguments to a kernel: a crash or wrong
+    bytes). It catches added, removed, resized and moved fields; two adjacent fields of one
+    type swapped on one side only keep every offset, so that needs the tests."""
+    buf = (ctypes.c_int64 * 128)()
+    for name, mirror in _LAYOUTS.items():
+        fn = getattr(lib, f"{name}_layout")
+        fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+        fn.restype = ctypes.c_int64
+        got = list(buf[: fn(buf, len(buf))])
+        fields = [f[0] for f in mirror._fields_]
+        want = [ctypes.sizeof(mirror), *(getattr(mirror, f).offset for f in fields)]
+        if got != want:
+            raise RuntimeError(
+                f"{path}: struct {name} (size, then field offsets: {got}) does not match its "
+                f"ctypes mirror {mirror.__name__} ({want}; fields {', '.join(fields)}): "
+                "cpu_native.py and csrc/ disagree"
+            )
 
 
 def available() -> bool:
@@ -430,45 +463,31 @@ def available() -> bool:
 
 
 def _family(codec: Codec) -> str | None:
-    """``"int"``, ``"mx"``, ``"dynamiq"`` or ``"passthrough"`` for the built-in classes
-    (exactly: a subclass may change what its reference computes), the family a codec declares
-    (``"block"``: :mod:`dynamiq.kernels._declared`), else ``None``."""
-    from dynamiq.codecs import dynamiq_codec, intq, mx, passthrough
-
-    from ._declared import declared_family
-
-    cls = type(codec)
-    declared = declared_family(codec)
-    if declared is not None:
-        return declared
-    if cls is intq.IntCodec:
-        return "int"
-    if cls in (mx.MXFP8E4M3, mx.MXFP8E5M2, mx.MXFP6E3M2, mx.MXFP6E2M3, mx.MXFP4, mx.MXINT8):
-        return "mx"
-    if cls is dynamiq_codec.DynamiqCodec:
-        return "dynamiq"
-    if cls in (passthrough.FP32Codec, passthrough.BF16Codec, passthrough.FP16Codec):
-        return "passthrough"
-    return None
+    """The kernel family ``codec`` declares (:mod:`dynamiq.kernels._declared`) if it has a
+    native entry point here (``"passthrough"``, ``"intq"``, ``"mx"``, ``"dynamiq"``,
+    ``"block"``), else ``None``."""
+    family = declared_family(codec)
+    return family if family in _TEMPLATES or family == "dynamiq" else None
 
 
 def kernel(codec: Codec, op: str, *, required: bool = False) -> Callable[..., Any] | None:
-    """The native implementation of ``op`` for ``codec``, with the dispatcher's signature, or
-    ``None`` when there is none or the library is unavailable (``required``: raise instead)."""
-    fn = _FUNCS[op] if _family(codec) is not None else None
-    if fn is None:
+    """The native implementation of ``op`` for ``codec``, with the dispatcher's signature and
+    no checks of its own (the dispatcher validated the arguments), or ``None`` when there is
+    none or the library is unavailable (``required``: raise instead)."""
+    family = _family(codec)
+    if family is None:
         if required:
             raise NotImplementedError(
                 f"codec {codec.codec_id!r} ({type(codec).__qualname__}) has no native CPU "
-                f"kernel for {op} (only the built-in pass-through, INT, MX and DynamiQ codecs "
-                "have); use backend='reference'"
+                f"kernel for {op} (only the built-in pass-through, INT, MX, DynamiQ and "
+                "block-format codecs have); use backend='reference'"
             )
         return None
     if required:
         _load()
     elif not available():
         return None
-    return fn
+    return getattr(_native(codec, family), op)
 
 
 # -- launchers ----------------------------------------------------------------------------------
@@ -504,97 +523,6 @@ def _check_payload(codec: Codec, payload: torch.Tensor, numel: int, ctx: HopCont
         )
 
 
-def _run(codec: Codec, op: str, n: int, **ptrs: Any) -> None:
-    lib = _load()
-    family = _family(codec)
-    if family == "dynamiq":
-        _run_dynamiq(lib, codec, op, n, **ptrs)
-    elif family == "passthrough":
-        ptrs.pop("ctx")
-        pargs = _PTArgs(
-            op=_OP[op],
-            n=n,
-            out_kind=_KIND[codec.dtype],  # type: ignore[attr-defined]
-            nthreads=_threads(n),
-            **ptrs,
-        )
-        _check_status(lib.dq_pt_run(ctypes.byref(pargs)))
-    elif family == "block":
-        _run_block(lib, codec, op, n, **ptrs)
-    elif family == "int":
-        from dynamiq.codecs.intq import IntCodec
-
-        assert isinstance(codec, IntCodec)
-        ctx: HopContext = ptrs.pop("ctx")
-        from dynamiq.codecs.hashing import hash_keys
-
-        key0, key1 = hash_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank)
-        args = _IntArgs(
-            op=_OP[op],
-            n=n,
-            block_size=codec.block_size,
-            bits=codec.bits,
-            fmt=_SCALE_FMT[codec.scale_format],
-            stochastic=int(codec.rounding == "stochastic"),
-            key0=key0,
-            key1=key1,
-            offset=ctx.offset,
-            max_in_bits=_f32_bits(codec.max_input_abs),
-            nthreads=_threads(n),
-            **ptrs,
-        )
-        status = lib.dq_int_run(ctypes.byref(args))
-        _check_status(status)
-        if args.worst:
-            worst = struct.unpack("<f", struct.pack("<I", args.worst))[0]
-            raise ValueError(
-                f"int codec: a block absmax of {worst!r} "
-                f"exceeds max_input_abs={codec.max_input_abs!r}: its scale is beyond "
-                f"scale_format={codec.scale_format!r}; use a wider scale_format ('fp32')"
-            )
-    else:
-        params = _mx_format(codec.element)  # type: ignore[attr-defined]
-        margs = _MXArgs(
-            op=_OP[op],
-            n=n,
-            nthreads=_threads(n),
-            **params,
-            **{k: v for k, v in ptrs.items() if k != "ctx"},
-        )
-        _check_status(lib.dq_mx_run(ctypes.byref(margs)))
-    record_launch(f"cpu_{family}_{op}")
-
-
-def _run_block(
-    lib: ctypes.CDLL,
-    codec: Any,
-    op: str,
-    n: int,
-    *,
-    ctx: HopContext,
-    in_ctx: HopContext | None = None,
-    g_exp: int | None = None,
-    **ptrs: Any,
-) -> None:
-    """One ``dq_blk_run`` call (a declared block format): ``g_exp`` the outgoing payload's
-    tensor-scale exponent (encode, reduce)."""
-    e = _mx_format(codec.elem)
-    s = _mx_format(codec.scale_fmt)
-    args = _BlkArgs(
-        op=_OP[op],
-        n=n,
-        block_size=codec.block_size,
-        **{f"e_{k}": v for k, v in e.items()},
-        **{f"s_{k}": v for k, v in s.items() if k not in ("bits", "inf_code")},
-        header=codec.header_nbytes(n),
-        g_out_bits=_f32_bits(2.0 ** (g_exp or 0)),
-        e_max=codec.elem.max,
-        nthreads=_threads(n),
-        **ptrs,
-    )
-    _check_status(lib.dq_blk_run(ctypes.byref(args)))
-
-
 def _block_exp(codec: Any, x: torch.Tensor, ctx: HopContext, total: Any = None) -> int:
     """The outgoing tensor-scale exponent: from the prologue's result, else from the values'
     absmax (``total()``: the fused reduce's sum, computed first outside a collective)."""
@@ -604,6 +532,173 @@ def _block_exp(codec: Any, x: torch.Tensor, ctx: HopContext, total: Any = None) 
     if not codec.tensor_scale or (shared is not None and TENSOR_AMAX_KEY in shared):
         return codec.tensor_exp_of(x, ctx)
     return codec.tensor_exp(finite_absmax_bits(total() if total is not None else x), 1)
+
+
+# -- one codec configuration's native kernel ------------------------------------------------
+
+
+def _int_template(codec: Any) -> _IntArgs:
+    return _IntArgs(
+        block_size=codec.block_size,
+        bits=codec.bits,
+        fmt=_SCALE_FMT[codec.scale_format],
+        stochastic=int(codec.rounding == "stochastic"),
+        max_in_bits=_f32_bits(codec.max_input_abs),
+    )
+
+
+def _mx_template(codec: Any) -> _MXArgs:
+    return _MXArgs(**_mx_format(codec.element))
+
+
+def _block_template(codec: Any) -> _BlkArgs:
+    e = _mx_format(codec.elem)
+    s = _mx_format(codec.scale_fmt)
+    return _BlkArgs(
+        block_size=codec.block_size,
+        **{f"e_{k}": v for k, v in e.items()},
+        **{f"s_{k}": v for k, v in s.items() if k not in ("bits", "inf_code")},
+        e_max=codec.elem.max,
+    )
+
+
+def _pt_template(codec: Any) -> _PTArgs:
+    return _PTArgs(out_kind=_KIND[codec.dtype])
+
+
+#: family -> (its argument structure's fields that depend only on the configuration, the
+#: native entry point); DynamiQ's are built per call (``_run_dynamiq``: budgets and pooled
+#: offsets depend on the hop)
+_TEMPLATES: dict[str, tuple[Callable[[Any], ctypes.Structure], str]] = {
+    "intq": (_int_template, "dq_int_run"),
+    "mx": (_mx_template, "dq_mx_run"),
+    "block": (_block_template, "dq_blk_run"),
+    "passthrough": (_pt_template, "dq_pt_run"),
+}
+#: the names :func:`record_launch` counts (``cpu_<name>_<op>``)
+_LAUNCH_NAME = {"intq": "int"}
+
+
+class _Native:
+    """The native kernel of one codec configuration: its argument structure filled once, so
+    a call copies it and sets only what changes per call (buffers, length, threads; the hash
+    keys of stochastic rounding, a block format's tensor scale). ``encode``, ``decode`` and
+    ``reduce`` take the dispatcher's (already validated) arguments."""
+
+    def __init__(self, codec: Any, family: str) -> None:
+        self.lib = _load()
+        self.family = family
+        name = _LAUNCH_NAME.get(family, family)
+        self.launches = {op: f"cpu_{name}_{op}" for op in _OP}
+        check_range = getattr(codec, "check_range", None)  # DynamiQ: outside a collective
+        self.check_range = check_range if callable(check_range) else None
+        self.template: ctypes.Structure | None = None
+        if family in _TEMPLATES:
+            make, self.entry = _TEMPLATES[family]
+            self.template = make(codec)
+        self.stochastic = family == "intq" and codec.rounding == "stochastic"
+
+    def encode(self, codec: Any, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        if self.check_range is not None:
+            self.check_range(x, ctx)
+        n = x.numel()
+        out = torch.empty(codec.encoded_nbytes(n, ctx) or 0, dtype=torch.uint8)
+        if n:
+            g = _block_exp(codec, x, ctx) if self.family == "block" else 0
+            ptrs = (x.data_ptr(), None, out.data_ptr(), None)
+            self._run(codec, "encode", n, (ctx, ctx), _KIND[x.dtype], ptrs, g)
+        return out
+
+    def decode(self, codec: Any, payload: torch.Tensor, numel: int, ctx: HopContext) -> Any:
+        out = torch.empty(numel, dtype=torch.float32)
+        if numel:
+            ptrs = (None, payload.data_ptr(), None, out.data_ptr())
+            self._run(codec, "decode", numel, (ctx, ctx), 0, ptrs, 0)
+        return out
+
+    def reduce(
+        self, codec: Any, payload: torch.Tensor, local: torch.Tensor, ctx: Any, out_ctx: Any
+    ) -> torch.Tensor:
+        n = local.numel()
+        out = torch.empty(codec.encoded_nbytes(n, out_ctx) or 0, dtype=torch.uint8)
+        if n:
+            g = 0
+            if self.family == "block":  # the sum's absmax, unless the prologue agreed on one
+
+                def total() -> torch.Tensor:
+                    return self.decode(codec, payload, n, ctx) + local.float()
+
+                g = _block_exp(codec, local, out_ctx, total)
+            ptrs = (local.data_ptr(), payload.data_ptr(), out.data_ptr(), None)
+            self._run(codec, "reduce", n, (out_ctx, ctx), _KIND[local.dtype], ptrs, g)
+        return out
+
+    def _run(
+        self,
+        codec: Any,
+        op: str,
+        n: int,
+        ctxs: tuple[HopContext, HopContext],
+        in_kind: int,
+        ptrs: tuple[int | None, int | None, int | None, int | None],
+        g_exp: int,
+    ) -> None:
+        """One native call: ``ctxs`` the outgoing payload's context (the dither) and the
+        incoming one's, ``ptrs`` the addresses of ``x``, ``inp``, ``out`` and ``out_values``
+        (``None``: unused), ``g_exp`` a block format's outgoing tensor-scale exponent."""
+        ctx, in_ctx = ctxs
+        if self.template is None:  # DynamiQ
+            names = ("x", "inp", "out", "out_values")
+            _run_dynamiq(
+                self.lib, codec, op, n, ctx=ctx, in_ctx=in_ctx, in_kind=in_kind,
+                **dict(zip(names, ptrs, strict=True)),
+            )  # fmt: skip
+        else:
+            args: Any = type(self.template).from_buffer_copy(self.template)
+            args.op = _OP[op]
+            args.in_kind = in_kind
+            args.x, args.inp, args.out, args.out_values = ptrs
+            args.n = n
+            args.nthreads = _threads(n)
+            if self.family == "intq":
+                self._int_fields(args, ctx)
+            elif self.family == "block":
+                args.header = codec.header_nbytes(n)
+                args.g_out_bits = _f32_bits(2.0**g_exp)
+            # (looked up per call: benchmarks/dispatch_overhead.py times the entry point)
+            _check_status(getattr(self.lib, self.entry)(ctypes.byref(args)))
+            if self.family == "intq" and args.worst:
+                _out_of_range(codec, args.worst)
+        record_launch(self.launches[op])
+
+    def _int_fields(self, args: Any, ctx: HopContext) -> None:
+        if self.stochastic:  # the keys are read by stochastic rounding only
+            from dynamiq.codecs.hashing import hash_keys
+
+            args.key0, args.key1 = hash_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank)
+        args.offset = ctx.offset
+
+
+def _out_of_range(codec: Any, worst_bits: int) -> None:
+    worst = struct.unpack("<f", struct.pack("<I", worst_bits))[0]
+    raise ValueError(
+        f"int codec: a block absmax of {worst!r} "
+        f"exceeds max_input_abs={codec.max_input_abs!r}: its scale is beyond "
+        f"scale_format={codec.scale_format!r}; use a wider scale_format ('fp32')"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _native_cached(codec: Any, family: str) -> _Native:
+    return _Native(codec, family)
+
+
+def _native(codec: Any, family: str) -> _Native:
+    """The :class:`_Native` of ``codec``'s configuration (cached by value)."""
+    try:
+        return _native_cached(codec, family)
+    except TypeError:  # an unhashable configuration: built each time
+        return _Native(codec, family)
 
 
 def _run_dynamiq(
@@ -785,31 +880,18 @@ def group_absmax(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def encode(codec: Codec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
-    """``codec.encode(x, ctx)`` by the native CPU kernel."""
+    """``codec.encode(x, ctx)`` by the native CPU kernel (checked here; the dispatcher calls
+    the unchecked :func:`kernel`)."""
     _check_device(x)
     _check_values("x", x)
-    check_range = getattr(codec, "check_range", None)  # DynamiQ: outside a collective
-    if callable(check_range):
-        check_range(x, ctx)
-    n = x.numel()
-    out = torch.empty(codec.encoded_nbytes(n, ctx) or 0, dtype=torch.uint8)
-    extra = {"g_exp": _block_exp(codec, x, ctx)} if _family(codec) == "block" else {}
-    if n:
-        _run(
-            codec, "encode", n, ctx=ctx, in_kind=_KIND[x.dtype], x=x.data_ptr(),
-            out=out.data_ptr(), **extra,
-        )  # fmt: skip
-    return out
+    return kernel(codec, "encode", required=True)(codec, x, ctx)  # type: ignore[misc]
 
 
 def decode(codec: Codec, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
     """``codec.decode(payload, numel, ctx)`` by the native CPU kernel."""
     _check_device(payload)
     _check_payload(codec, payload, numel, ctx)
-    out = torch.empty(numel, dtype=torch.float32)
-    if numel:
-        _run(codec, "decode", numel, ctx=ctx, inp=payload.data_ptr(), out_values=out.data_ptr())
-    return out
+    return kernel(codec, "decode", required=True)(codec, payload, numel, ctx)  # type: ignore[misc]
 
 
 def reduce(
@@ -823,25 +905,6 @@ def reduce(
     memory, no fp32 tensor in memory."""
     _check_device(payload, local)
     _check_values("local", local)
-    n = local.numel()
-    _check_payload(codec, payload, n, ctx)
-    out = torch.empty(codec.encoded_nbytes(n, out_ctx) or 0, dtype=torch.uint8)
-    family = _family(codec)
-    extra: dict[str, Any] = {"in_ctx": ctx} if family in ("dynamiq", "block") else {}
-    if family == "block":
-        extra["g_exp"] = _block_exp(
-            codec, local, out_ctx, lambda: decode(codec, payload, n, ctx) + local.float()
-        )
-    if n:
-        _run(
-            codec, "reduce", n, ctx=out_ctx, in_kind=_KIND[local.dtype], x=local.data_ptr(),
-            inp=payload.data_ptr(), out=out.data_ptr(), **extra,
-        )  # fmt: skip
-    return out
-
-
-# the dispatcher reads this (last_backend(), and no Triton set-up around the call)
-encode.dynamiq_backend = "cpu"  # type: ignore[attr-defined]
-decode.dynamiq_backend = "cpu"  # type: ignore[attr-defined]
-reduce.dynamiq_backend = "cpu"  # type: ignore[attr-defined]
-_FUNCS: dict[str, Callable[..., Any]] = {"encode": encode, "decode": decode, "reduce": reduce}
+    _check_payload(codec, payload, local.numel(), ctx)
+    fn = kernel(codec, "reduce", required=True)
+    return fn(codec, payload, local, ctx, out_ctx)  # type: ignore[misc]

@@ -16,10 +16,14 @@ def triton_interpreter() -> Iterator[None]:
     if torch.cuda.is_available():
         yield
         return
+    from dynamiq.kernels import _settings
+
     patch = pytest.MonkeyPatch()
     patch.setenv("TRITON_INTERPRET", "1")
+    _settings.refresh()  # (the dispatcher reads it once otherwise)
     yield
     patch.undo()
+    _settings.refresh()
 
 
 @pytest.fixture
@@ -27,10 +31,11 @@ def cpu_switches_cleared(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No ``DYNAMIQ_CPU_KERNELS``, ``DYNAMIQ_CPU_COMPILE`` or ``TRITON_INTERPRET`` from the
     environment during a native CPU kernel test, and the programmatic switches reset after
     it."""
-    from dynamiq.kernels import _compiled, cpu_native
+    from dynamiq.kernels import _compiled, _settings, cpu_native
 
     for name in ("DYNAMIQ_CPU_KERNELS", "DYNAMIQ_CPU_COMPILE", "TRITON_INTERPRET"):
         monkeypatch.delenv(name, raising=False)
+    _settings.refresh()  # (read once otherwise)
     yield
     cpu_native.set_cpu_kernels(None)
     _compiled.set_cpu_compile(None)

@@ -25,6 +25,7 @@ def _clean(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     # these tests are about the torch.compile path: keep the native kernels out of "auto"
     monkeypatch.setenv("DYNAMIQ_CPU_KERNELS", "0")
+    K.set_cpu_kernels(None)  # read the environment now (it is read once otherwise)
     _compiled._CACHE.clear()
     yield
     _compiled.set_cpu_compile(None)
@@ -69,6 +70,7 @@ def test_opt_in_compiles_each_codec_and_op_once(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(torch, "compile", fake)
     if how == "env":
         monkeypatch.setenv("DYNAMIQ_CPU_COMPILE", "1")
+        K.set_cpu_compile(None)  # read the environment now
     else:
         K.set_cpu_compile(True)
     codec = get_codec("int8")

@@ -394,6 +394,7 @@ def test_auto_uses_the_native_kernels_for_large_cpu_inputs() -> None:
 def test_auto_native_can_be_switched_off(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     if how == "env":
         monkeypatch.setenv("DYNAMIQ_CPU_KERNELS", "0")
+        K.set_cpu_kernels(None)  # read the environment now (it is read once otherwise)
     elif how == "function":
         K.set_cpu_kernels(False)
     else:  # an explicit torch.compile opt-in takes precedence (a stand-in compiler here)

@@ -470,6 +470,7 @@ def test_auto_native_can_be_switched_off(monkeypatch: pytest.MonkeyPatch, how: s
     compiled: list[str] = []
     if how == "env":
         monkeypatch.setenv("DYNAMIQ_CPU_KERNELS", "0")
+        K.set_cpu_kernels(None)  # read the environment now (it is read once otherwise)
     elif how == "function":
         K.set_cpu_kernels(False)
     else:

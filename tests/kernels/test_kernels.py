@@ -391,10 +391,12 @@ def test_auto_uses_triton_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> N
     codec = get_codec("mxfp4")
     x = random_values(64, 0, 100.0)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    K._settings.refresh()  # (read once otherwise)
     codec.encode(x)
     assert K.last_backend() == "reference"  # CPU without TRITON_INTERPRET: the fast path
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+        K._settings.refresh()
         before = sum(K.launch_counts().values())
         assert torch.equal(codec.encode(x), K.encode(codec, x, backend="reference"))
         assert sum(K.launch_counts().values()) == before + 1
@@ -405,6 +407,7 @@ def test_auto_uses_triton_only_where_asked(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_codec_methods_go_through_the_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    K._settings.refresh()
     codec = get_codec("int4")
     x = random_values(100, 1, 10.0).to(DEVICE)
     payload = codec.encode(x)
@@ -505,7 +508,8 @@ def test_kernel_modules_are_not_imported_by_dynamiq() -> None:
         "assert not [m for m in sys.modules if m.startswith('dynamiq.kernels.') "
         "and m not in ('dynamiq.kernels._stats', 'dynamiq.kernels._compiled', "
         "'dynamiq.kernels.cpu_native', 'dynamiq.kernels._libcache', "  # its cache
-        "'dynamiq.kernels._declared')], "  # the declared families' names (no kernels)
+        "'dynamiq.kernels._declared', "  # the declared families' names (no kernels)
+        "'dynamiq.kernels._settings')], "  # the switches read from the environment
         "'kernel modules imported'"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

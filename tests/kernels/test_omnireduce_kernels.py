@@ -52,6 +52,7 @@ def _pure_reference(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """On the CPU, the reference's nested pass-through calls run their PyTorch reference."""
     if DEVICE == "cpu":
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        K._settings.refresh()  # (read once otherwise)
     yield
 
 

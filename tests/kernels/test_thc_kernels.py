@@ -324,6 +324,7 @@ def test_dispatch_runs_the_thc_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     assert K.has_kernels(codec, "encode") and K.has_kernels(codec, "reduce")
     x = gaussian(130, 2)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    K._settings.refresh()  # (read once otherwise)
     before = K.launch_counts().get("_thc_encode_kernel", 0)
     payload = codec.encode(x)  # "auto": the kernel on CUDA, and on the CPU when asked
     assert K.last_backend() == "triton"

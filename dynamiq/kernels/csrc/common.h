@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -24,7 +25,22 @@
   float* out_values;  /* decoded values (decode) */                           \
   int64_t n;          /* number of values */
 
+// The layout of an argument structure, so that cpu_native.py checks its ctypes mirror when the
+// library loads (a mismatch is an error there, not a wrong argument here): DQ_LAYOUT writes
+// sizeof and then the offset of every field in declaration order, and returns how many.
+#define DQ_OFF(T, F) (int64_t) offsetof(T, F)
+#define DQ_COMMON_OFFSETS(T) \
+  DQ_OFF(T, op), DQ_OFF(T, in_kind), DQ_OFF(T, x), DQ_OFF(T, in), DQ_OFF(T, out), \
+      DQ_OFF(T, out_values), DQ_OFF(T, n)
+
 namespace {
+
+template <size_t N>
+inline int64_t dq_layout(int64_t* out, int64_t cap, const int64_t (&v)[N]) {
+  for (size_t i = 0; i < N && (int64_t)i < cap; i++) out[i] = v[i];
+  return (int64_t)N;
+}
+
 
 // -- fp32 bit patterns ----------------------------------------------------------------------
 

@@ -1003,6 +1003,37 @@ int dq_blk_run(dq_blk_args* a) {
   return parallel_tiles(nblocks, nt, work) ? 0 : 1;
 }
 
+// The layouts of the argument structures (common.h, DQ_LAYOUT).
+int64_t dq_int_args_layout(int64_t* out, int64_t cap) {
+  using T = dq_int_args;
+  return dq_layout(out, cap,
+                   {(int64_t)sizeof(T), DQ_COMMON_OFFSETS(T), DQ_OFF(T, block_size),
+                    DQ_OFF(T, bits), DQ_OFF(T, fmt), DQ_OFF(T, stochastic), DQ_OFF(T, key0),
+                    DQ_OFF(T, key1), DQ_OFF(T, offset), DQ_OFF(T, max_in_bits),
+                    DQ_OFF(T, nthreads), DQ_OFF(T, worst)});
+}
+
+int64_t dq_mx_args_layout(int64_t* out, int64_t cap) {
+  using T = dq_mx_args;
+  return dq_layout(out, cap,
+                   {(int64_t)sizeof(T), DQ_COMMON_OFFSETS(T), DQ_OFF(T, specials),
+                    DQ_OFF(T, nmant), DQ_OFF(T, bias), DQ_OFF(T, bits), DQ_OFF(T, max_code),
+                    DQ_OFF(T, nan_code), DQ_OFF(T, inf_code), DQ_OFF(T, emax),
+                    DQ_OFF(T, nthreads)});
+}
+
+int64_t dq_blk_args_layout(int64_t* out, int64_t cap) {
+  using T = dq_blk_args;
+  return dq_layout(
+      out, cap,
+      {(int64_t)sizeof(T), DQ_COMMON_OFFSETS(T), DQ_OFF(T, block_size), DQ_OFF(T, e_specials),
+       DQ_OFF(T, e_nmant), DQ_OFF(T, e_bias), DQ_OFF(T, e_bits), DQ_OFF(T, e_max_code),
+       DQ_OFF(T, e_nan_code), DQ_OFF(T, e_inf_code), DQ_OFF(T, e_emax), DQ_OFF(T, s_specials),
+       DQ_OFF(T, s_nmant), DQ_OFF(T, s_bias), DQ_OFF(T, s_max_code), DQ_OFF(T, s_nan_code),
+       DQ_OFF(T, s_emax), DQ_OFF(T, header), DQ_OFF(T, g_out_bits), DQ_OFF(T, e_max),
+       DQ_OFF(T, nthreads)});
+}
+
 // The layout version of the argument structures (dq_int_args, dq_mx_args, dq_blk_args and
 // dynamiq_kernels.cpp's dq_dyn_args) and of the functions' signatures, checked when the
 // library loads.

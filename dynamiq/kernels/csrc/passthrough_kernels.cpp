@@ -132,4 +132,12 @@ int dq_pt_run(dq_pt_args* a) {
   return ok ? 0 : 1;
 }
 
+// The layout of dq_pt_args (common.h, DQ_LAYOUT).
+int64_t dq_pt_args_layout(int64_t* out, int64_t cap) {
+  using T = dq_pt_args;
+  return dq_layout(out, cap,
+                   {(int64_t)sizeof(T), DQ_COMMON_OFFSETS(T), DQ_OFF(T, out_kind),
+                    DQ_OFF(T, nthreads)});
+}
+
 }  // extern "C"

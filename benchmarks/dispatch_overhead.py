@@ -1,0 +1,223 @@
+"""Host time of one dispatched native-CPU call, against the native kernel called directly.
+
+For every built-in codec with a native CPU kernel (docs/design.md, "Kernels"), on ``--numel``
+values (4,096 by default) with one torch thread, the median time of one call of
+
+* ``public``: the codec's own method (``codec.encode(x, ctx)``, ``codec.decode(...)``,
+  ``codec.reduce(...)``: the default backend, which runs the native kernel at this size);
+* ``cpu``: ``dynamiq.kernels.encode(codec, x, ctx, backend="cpu")`` (and ``decode``,
+  ``reduce``);
+* ``floor``: the native entry point itself (``dq_*_run``) on the very argument structure the
+  dispatched call built, its output buffers already allocated: the kernel's own time.
+
+``overhead = cpu - floor`` is what the dispatch costs on top of the kernel. The floor is
+captured by wrapping the library's entry point during one dispatched call and timing the
+direct calls inside the wrapper, so every pointer it holds (DynamiQ's pooled budgets
+included) is alive while it runs; it does not depend on how the dispatcher builds its
+arguments. Codecs with a prologue run under the hop context a one-rank collective passes
+(``ctx.shared`` its result). Codecs without a native kernel (``thc``, ``omnireduce``) are
+listed with their ``public`` time only (their reference).
+
+``--library`` times a ``torch.library`` op around ``int8``'s native encode instead (see
+:func:`library_probe`).
+
+    python benchmarks/dispatch_overhead.py [--numel 4096] [--calls 2000] [--json]
+    python benchmarks/dispatch_overhead.py --library
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: the native entry points a dispatched call may reach
+ENTRY_POINTS = ("dq_int_run", "dq_mx_run", "dq_blk_run", "dq_pt_run", "dq_dyn_run")
+OPS = ("encode", "decode", "reduce")
+
+
+def _median_us(fn: Callable[[], Any], calls: int, rounds: int = 5) -> float:
+    """Median of ``rounds * calls`` single-call times (µs), after a warm-up."""
+    for _ in range(min(200, calls)):
+        fn()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(rounds):
+        for _ in range(calls):
+            t0 = clock()
+            fn()
+            samples.append(clock() - t0)
+    return statistics.median(samples) / 1e3
+
+
+def _floor_us(lib: Any, call: Callable[[], Any], calls: int) -> float | None:
+    """The time of the native entry point ``call()`` reaches, called directly on the argument
+    structure ``call()`` builds (``None`` when ``call()`` reaches none)."""
+    found: list[float] = []
+    saved = {name: getattr(lib, name) for name in ENTRY_POINTS}
+
+    def wrap(name: str) -> Callable[[Any], int]:
+        real = saved[name]
+
+        def entry(ref: Any) -> int:
+            status = int(real(ref))
+            args = ref._obj  # the structure byref() points to, alive for this call
+            found.append(_median_us(lambda: real(ctypes.byref(args)), calls))
+            return status
+
+        return entry
+
+    try:
+        for name in ENTRY_POINTS:
+            setattr(lib, name, wrap(name))
+        call()
+    finally:
+        for name, fn in saved.items():
+            setattr(lib, name, fn)
+    return found[0] if found else None
+
+
+def _cases(codec: Any, n: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """op -> (public call, ``backend="cpu"`` call)."""
+    import torch
+
+    import dynamiq.kernels as K
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    local = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    ctx = _context(codec, x, local)
+    payload = codec.encode(x, ctx)
+    return {
+        "encode": (lambda: codec.encode(x, ctx), lambda: K.encode(codec, x, ctx, backend="cpu")),
+        "decode": (
+            lambda: codec.decode(payload, n, ctx),
+            lambda: K.decode(codec, payload, n, ctx, backend="cpu"),
+        ),
+        "reduce": (
+            lambda: codec.reduce(payload, local, ctx, ctx),
+            lambda: K.reduce(codec, payload, local, ctx, ctx, backend="cpu"),
+        ),
+    }
+
+
+def _context(codec: Any, x: Any, local: Any) -> Any:
+    """The hop context of a one-rank collective: ``shared`` holds the codec's prologue result
+    (the agreed tensor scale of ``nvfp4``, DynamiQ's pooled budgets) for ``x + local``, as
+    the engine passes it, so no call computes statistics the prologue already agreed."""
+    from dynamiq.codecs import HopContext
+
+    stats = getattr(codec, "prologue_statistics", None)
+    if not callable(stats):
+        return HopContext()
+    both = x + local
+    part = stats(both, 0, None)
+    if part is None:
+        return HopContext()
+    return HopContext(shared=codec.prologue_result(part, both.numel(), 1, None))
+
+
+def measure(names: list[str], n: int, calls: int) -> list[dict[str, Any]]:
+    from dynamiq.codecs import get_codec
+    from dynamiq.kernels import cpu_native
+
+    lib = cpu_native._load()
+    rows = []
+    for name in names:
+        codec = get_codec(name)
+        native = cpu_native.kernel(codec, "encode") is not None
+        for op, (public, cpu) in _cases(codec, n).items():
+            row: dict[str, Any] = {"codec": name, "op": op, "public_us": _median_us(public, calls)}
+            if native:
+                row["cpu_us"] = _median_us(cpu, calls)
+                row["floor_us"] = _floor_us(lib, cpu, calls)
+                if row["floor_us"] is not None:
+                    row["overhead_us"] = row["cpu_us"] - row["floor_us"]
+            rows.append(row)
+    return rows
+
+
+def library_probe(n: int, calls: int) -> dict[str, float]:
+    """What a ``torch.library`` op would cost (issue 18 item 3): ``int8``'s native encode
+    registered with ``Library.define``/``impl`` (CPU: the native kernel; Meta: the size from
+    ``encoded_nbytes``; the hop context crossing as ints), against the same kernel through
+    the codec's method and called directly (µs a call)."""
+    import torch
+
+    from dynamiq.codecs import HopContext, get_codec
+    from dynamiq.kernels import cpu_native
+
+    codec = get_codec("int8")
+    native = cpu_native._native(codec, "intq")  # the dispatcher's native kernel, unchecked
+    lib = torch.library.Library("dynamiq_probe", "FRAGMENT")
+    lib.define("encode_int(Tensor x, int seed, int step, int hop, int rank, int offset) -> Tensor")
+
+    def cpu(x: Any, seed: int, step: int, hop: int, rank: int, offset: int) -> Any:
+        ctx = HopContext(seed=seed, step=step, hop=hop, rank=rank, offset=offset)
+        return native.encode(codec, x, ctx)
+
+    def meta(x: Any, *ctx: int) -> Any:
+        return x.new_empty(codec.encoded_nbytes(x.numel()), dtype=torch.uint8)
+
+    lib.impl("encode_int", cpu, "CPU")
+    lib.impl("encode_int", meta, "Meta")
+    op = torch.ops.dynamiq_probe.encode_int.default
+    x = torch.randn(n)
+    ctx = HopContext()
+    assert torch.equal(op(x, 0, 0, 0, 0, 0), codec.encode(x, ctx))
+    return {
+        "direct_us": _median_us(lambda: native.encode(codec, x, ctx), calls),
+        "public_us": _median_us(lambda: codec.encode(x, ctx), calls),
+        "library_op_us": _median_us(lambda: op(x, 0, 0, 0, 0, 0), calls),
+        "hop_context_us": _median_us(lambda: HopContext(seed=0, step=0, offset=0), calls),
+    }
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("codecs", nargs="*", help="codec ids (default: every built-in)")
+    parser.add_argument("--numel", type=int, default=4096)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--library", action="store_true", help="only the torch.library probe (int8 encode)"
+    )
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.library:
+        torch.set_num_threads(1)
+        print(json.dumps(library_probe(args.numel, args.calls), indent=1))
+        return 0
+
+    from dynamiq.codecs import get_codec, list_codecs
+
+    torch.set_num_threads(1)
+    builtin = [c for c in list_codecs() if type(get_codec(c)).__module__.startswith("dynamiq.")]
+    names = args.codecs or builtin
+    rows = measure(names, args.numel, args.calls)
+    if args.json:
+        print(json.dumps({"numel": args.numel, "rows": rows}, indent=1))
+        return 0
+    print(f"µs a call, {args.numel} values, 1 thread (median)")
+    print('| codec | op | public | backend="cpu" | kernel (floor) | overhead |')
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [r.get(k) for k in ("public_us", "cpu_us", "floor_us", "overhead_us")]
+        print(f"| {r['codec']} | {r['op']} | " + " | ".join(map(_fmt, cells)) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
