@@ -254,9 +254,8 @@ def test_recut_is_the_best_cut_within_the_value_slack(
     assert all(a % align == 0 and (b % align == 0 or b == numel) for a, b in got)
     assert all(p[1] == q[0] for p, q in itertools.pairwise(got))
     # the same budgets recut uses, summed per unit of `align` values
-    zero = torch.zeros(lens.numel(), dtype=torch.int64)
     total = torch.tensor([math.floor(codec.bits * numel) // 8])
-    whole = pool._distribute(reduced[:-2].long().clamp(min=0), lens, zero, total)
+    whole = pool._distribute(reduced[:-2].long().clamp(min=0), lens, [0, lens.numel()], total)
     per = align // codec.span
     unit_bytes = [int(whole[i * per : (i + 1) * per].sum()) for i in range(units)]
     cum = [0, *itertools.accumulate(unit_bytes)]

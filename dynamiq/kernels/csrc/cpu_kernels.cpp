@@ -1006,6 +1006,6 @@ int dq_blk_run(dq_blk_args* a) {
 // The layout version of the argument structures (dq_int_args, dq_mx_args, dq_blk_args and
 // dynamiq_kernels.cpp's dq_dyn_args) and of the functions' signatures, checked when the
 // library loads.
-int dq_abi_version(void) { return 6; }
+int dq_abi_version(void) { return 7; }
 
 }  // extern "C"
