@@ -62,27 +62,30 @@ def prologue_phases(x: torch.Tensor, ranks: int, iters: int) -> dict[str, float]
     def result() -> dict:
         return dq.prologue_result(stats, n, ranks, chunks, align)
 
-    def budgets() -> None:
-        got = result()[pool.SHARED_KEY]
-        pool.span_budgets(got, dq.bits, dq.balance)
+    def budgets() -> dict:
+        got = result()
+        pool.span_budgets(got[pool.SHARED_KEY], dq.bits, dq.balance)
+        return got
 
     shared = result()
     bounds = shared.get("dynamiq.chunk_bounds", chunks)
     pieces = chunk_layout(n, sched, dq, 1 << 18, bounds)[1]  # the engine's sub-chunks
 
-    def kernel_args() -> None:  # a fresh pool each time: nothing memoized yet
-        sh = result()
+    def kernel_args() -> None:  # a fresh result each time: nothing memoized yet
+        sh = budgets()
         for piece in pieces:
             for a, b in piece:
                 ctx = HopContext(shared=sh, offset=a)
                 cpu_native._pooled_args(dq, b - a, ctx, ctx)
 
+    t_stats = _best(lambda: dq.prologue_statistics(x, 0, chunks), iters)
+    t_result, t_budgets, t_args = (_best(f, iters) for f in (result, budgets, kernel_args))
     ms = {
-        "statistics (demand, flags)": _best(lambda: dq.prologue_statistics(x, 0, chunks), iters),
-        "result (checks, re-cut)": _best(result, iters),
+        "statistics (demand, flags)": t_stats,
+        "result (checks, re-cut)": t_result,
+        "budgets": t_budgets - t_result,
+        "kernel arguments (every piece)": t_args - t_budgets,
     }
-    ms["budgets"] = _best(budgets, iters) - ms["result (checks, re-cut)"]
-    ms["kernel arguments (every piece)"] = _best(kernel_args, iters) - ms["result (checks, re-cut)"]
     ms["total"] = sum(ms.values())
     return {k: round(1e3 * v, 2) for k, v in ms.items()}
 
