@@ -476,10 +476,8 @@ class Pool:
     fixed: torch.Tensor | None = None
     #: per bits/value, the container bytes of the spans before each span (and the total)
     prefix: dict[float, list[int]] = field(default_factory=dict)
-    #: per (bits/value, offset, values): :func:`chunk_kernel_args`
-    kernel_args: dict[tuple[float, int, int], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
-    )
+    #: per bits/value, every span's budget (bits) and start (:func:`chunk_kernel_args`)
+    kernel_args: dict[float, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Pool):
@@ -643,25 +641,24 @@ def chunk_kernel_args(
     codec: DynamiqCodec, shared: Any, numel: int, offset: int, bits: float
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """What the native kernels take for the spans of ``numel`` values at global ``offset``:
-    each span's budget (bits) and its payload's byte offset in the chunk's payload (int64,
-    contiguous, CPU), memoized in the pool (a chunk's incoming and outgoing payloads, and
-    every later call on it, share them); ``None`` as :func:`chunk_budgets`. The offsets come
-    from the memoized prefix sums of :func:`chunk_bytes`: every span but a chunk's last is
-    whole, so the ``i``-th starts ``i`` headers of a whole span after the budgets before it."""
+    each span's budget (bits; a view) and its payload's byte offset in the chunk's payload
+    (int64, contiguous, CPU); ``None`` as :func:`chunk_budgets`. From two tensors over every
+    span memoized in the pool per bits/value: the budgets in bits, and each span's start
+    were every span whole (its budget plus a whole span's header): every span of a chunk but
+    its last is whole, so only whole spans lie between two of its spans' starts."""
     pool = _pool_of(shared)
     if pool is None:
         return None
-    key = (bits, offset, numel)
-    got = pool.kernel_args.get(key)
+    if numel == 0 and 0 <= offset <= pool.numel:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    first = _first_span(codec, pool, numel, offset)
+    got = pool.kernel_args.get(bits)
     if got is None:
-        budgets = chunk_budgets(codec, shared, numel, offset, bits)
-        assert budgets is not None
-        first, m = (_first_span(codec, pool, numel, offset) if numel else 0), budgets.numel()
-        before = torch.tensor(_prefix(codec, pool, bits)[first : first + m], dtype=torch.int64)
-        head = sum(codec._header_bytes(codec.span))
-        offs = before - (before[0] if m else 0) + torch.arange(m, dtype=torch.int64) * head
-        got = pool.kernel_args[key] = ((budgets * 8).contiguous(), offs)
-    return got
+        budgets = span_budgets(pool, bits, codec.balance)
+        sizes = budgets + sum(codec._header_bytes(codec.span))
+        got = pool.kernel_args[bits] = (budgets * 8, torch.cumsum(sizes, 0) - sizes)
+    end = first + -(-numel // codec.span)
+    return got[0][first:end], got[1][first:end] - got[1][first]
 
 
 def _pool_of(shared: Any) -> Pool | None:
