@@ -16,8 +16,9 @@ arguments of every piece the engine encodes), then the same at the bucket size
 ``dynamiq bench train`` uses (``--bucket``); milliseconds of CPU time (``process_time``),
 minima of ``--iters``. With
 ``--simulate``, also one in-process all-reduce of ``--ranks`` ranks
-(``simulate_allreduce``, batched, the same data) of the pooled default and of the span design,
-and their ratio. The phases use the codec's API only, so the script also times older trees.
+(``simulate_allreduce``, the same data; ``--engine``: batched, or the engine on threads) of
+the pooled default and of the span design, and their ratio. The phases use the codec's API
+only, so the script also times older trees.
 """
 
 from __future__ import annotations
@@ -93,15 +94,17 @@ def prologue_phases(x: torch.Tensor, ranks: int, iters: int) -> dict[str, float]
     return {k: round(1e3 * v, 2) for k, v in ms.items()}
 
 
-def simulated_ratio(xs: list[torch.Tensor], iters: int) -> dict[str, float]:
-    """CPU seconds of one in-process all-reduce (batched simulator, ring) of the pooled
-    default and of the span design, and their ratio."""
+def simulated_ratio(xs: list[torch.Tensor], iters: int, engine: str) -> dict[str, float]:
+    """CPU seconds of one in-process all-reduce (``simulate_allreduce``, ring; ``engine``:
+    the batched simulator, or the engine itself on threads) of the pooled default and of the
+    span design, and their ratio."""
     from dynamiq.collectives import simulate_allreduce
 
+    def run(codec: object) -> object:
+        return simulate_allreduce(xs, codec, "ring", seed=0, return_bound=False, engine=engine)
+
     sec = {
-        name: _best(
-            lambda c=c: simulate_allreduce(xs, c, "ring", seed=0, return_bound=False), iters
-        )
+        name: _best(lambda c=c: run(c), iters)
         for name, c in (("dynamiq", "dynamiq"), ("span design", SPAN_DESIGN))
     }
     ratio = sec["dynamiq"] / sec["span design"]
@@ -113,7 +116,7 @@ def phases_main(args: argparse.Namespace) -> None:
 
     out: dict[str, object] = {"numel": args.numel, "bucket": args.bucket, "ranks": args.ranks}
     out["threads"] = torch.get_num_threads()
-    for family in FAMILIES:
+    for family in args.families.split(",") if args.families else FAMILIES:
         g = load_gradients("eval", 16, family=family, progress=False).reshape(-1)
         g = g.repeat(-(-args.numel * args.ranks // g.numel()))  # (digits: fewer values)
         x = g[: args.numel].contiguous()
@@ -121,7 +124,8 @@ def phases_main(args: argparse.Namespace) -> None:
         out[f"{family} bucket"] = prologue_phases(x[: args.bucket].clone(), args.ranks, args.iters)
         if args.simulate:
             xs = [g[r * args.numel : (r + 1) * args.numel].clone() for r in range(args.ranks)]
-            out[f"{family} simulate_allreduce"] = simulated_ratio(xs, max(1, args.iters // 3))
+            key = f"{family} simulate_allreduce ({args.engine})"
+            out[key] = simulated_ratio(xs, max(1, args.iters // 3), args.engine)
     print(json.dumps(out, indent=1))
 
 
@@ -134,6 +138,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--bucket", type=int, default=700_000, help="values of a bench-train bucket")
     ap.add_argument("--simulate", action="store_true", help="with --phases: pooled / span")
+    ap.add_argument("--engine", choices=("batched", "threads"), default="batched")
+    ap.add_argument("--families", default="", help="with --phases: these only (default: all)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
