@@ -807,6 +807,8 @@ def pool_levels(
     (int64), and the largest finite ``|x|``. ``table``: ``_dynamiq_pool.level_table``."""
     _check_device(x)
     _check_values("x", x)
+    if group < 1:
+        raise ValueError(f"group must be positive (got {group})")
     n = x.numel()
     levels = torch.empty(-(-n // group), dtype=torch.int16)
     all_thr = table["all"]
@@ -834,6 +836,13 @@ def pool_demand(
     """Pass 2: the demand (bits, int64) of every span of ``regions`` (each starting on a
     multiple of ``group``) of the ``n`` values whose group ``levels`` :func:`pool_levels`
     gave, at the water-filling threshold ``tau`` (``count``: ``_priority_tables``' widths)."""
+    ok = levels.dtype == torch.int16 and levels.numel() == -(-n // group) and span >= group > 0
+    ok = ok and all(0 <= a <= b <= n and a % group == 0 for a, b in regions)
+    if not ok or count.numel() < 1 or levels.device.type != "cpu":
+        raise ValueError(
+            f"pool_demand: {levels.numel()} int16 group levels, regions {list(regions)[:4]}... "
+            f"on whole groups of {group} of {n} values, spans of {span} expected"
+        )
     bounds = torch.tensor(regions, dtype=torch.int64).reshape(-1)
     count = count.to(torch.int64).contiguous()
     n_spans = sum(-(-(b - a) // span) for a, b in regions)
@@ -852,6 +861,12 @@ def pool_distribute(
     ``first[s]:first[s + 1]``)."""
     demand, lens = demand.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
     total = total.to(torch.int64).contiguous()
+    n = lens.numel()
+    ordered = list(first) == sorted(first)
+    if demand.numel() != n or not first or first[0] != 0 or first[-1] != n or not ordered:
+        raise ValueError(f"pool_distribute: segment starts {first[:4]}... do not cut {n} spans")
+    if total.numel() != len(first) - 1 or bool((total < 0).any() | (demand < 0).any()):
+        raise ValueError("pool_distribute: one total a segment, totals and demand >= 0")
     starts = torch.tensor(first, dtype=torch.int64)
     out = torch.empty(lens.numel(), dtype=torch.int64)
     status = _pool_lib().dq_dyn_pool_distribute(

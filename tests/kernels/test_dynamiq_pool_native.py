@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dynamiq.codecs import _dynamiq_pool as pool
-from dynamiq.codecs.dynamiq_codec import DynamiqCodec
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec, _priority_tables
 from dynamiq.data import FAMILIES, load_slice
 from dynamiq.kernels import cpu_native
 
@@ -173,3 +173,25 @@ def test_distribute_on_real_demand(reference: None) -> None:
             seg = torch.repeat_interleave(torch.arange(len(first) - 1), torch.tensor(first).diff())
             want = pool._distribute_reference(demand, lens, seg, total)
             assert torch.equal(cpu_native.pool_distribute(demand, lens, first, total), want)
+
+
+def test_bad_arguments_raise_before_the_kernel() -> None:
+    levels, _, _ = cpu_native.pool_levels(torch.ones(64), 16, pool.level_table(2) or {})
+    _, count = _priority_tables(2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="pool_demand"):
+        cpu_native.pool_demand(levels, 65, 16, [(0, 65)], 256, 0, count, 0)  # 5 groups
+    with pytest.raises(ValueError, match="pool_demand"):
+        cpu_native.pool_demand(levels, 64, 16, [(0, 8), (8, 64)], 256, 0, count, 0)
+    with pytest.raises(ValueError, match="pool_demand"):
+        cpu_native.pool_demand(levels, 64, 16, [(0, 80)], 256, 0, count, 0)
+    lens, demand = torch.full((4,), 256), torch.ones(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="do not cut 4 spans"):
+        cpu_native.pool_distribute(demand, lens, [0, 3, 2, 4], torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match="do not cut 4 spans"):
+        cpu_native.pool_distribute(demand, lens, [0, 3], torch.tensor([1]))
+    with pytest.raises(ValueError, match="one total a segment"):
+        cpu_native.pool_distribute(demand, lens, [0, 4], torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="one total a segment"):
+        cpu_native.pool_distribute(demand, lens, [0, 4], torch.tensor([-1]))
+    with pytest.raises(ValueError, match="group must be positive"):
+        cpu_native.pool_levels(torch.ones(64), 0, pool.level_table(2) or {})
