@@ -8,6 +8,17 @@ whole buffer, and the budgets from it). Times are the minimum of ``--iters`` int
 runs; ratios are to MXFP8's reduce, and each operation's to MXFP8's same operation.
 
     python benchmarks/dynamiq_pool_speed.py --numel 16777216
+
+``--phases``: instead, the prologue's local work phase by phase, on ``--numel`` values of
+every model family's eval gradients (rank 0 of a ring of ``--ranks``: its statistics, the
+result from the statistics (checks, the re-cut to equal bytes), the budgets, and the kernel
+arguments of every piece the engine encodes), then the same at the bucket size
+``dynamiq bench train`` uses (``--bucket``); milliseconds of CPU time (``process_time``),
+minima of ``--iters``. With
+``--simulate``, also one in-process all-reduce of ``--ranks`` ranks
+(``simulate_allreduce``, the same data; ``--engine``: batched, or the engine on threads) of
+the pooled default and of the span design, and their ratio. The phases use the codec's API
+only, so the script also times older trees.
 """
 
 from __future__ import annotations
@@ -25,15 +36,116 @@ from dynamiq.codecs import _dynamiq_pool as pool
 from dynamiq.collectives.handshake import local_prologues
 from dynamiq.data import load_gradients
 
+SPAN_DESIGN = {"id": "dynamiq", "pooling": "span"}
+
+
+def _best(fn: Callable[[], object], iters: int) -> float:
+    """The least CPU time of this process (``time.process_time``: the machine is shared, and
+    torch runs on the threads set) of ``iters`` calls of ``fn``."""
+    out = float("inf")
+    for _ in range(iters):
+        t = time.process_time()
+        fn()
+        out = min(out, time.process_time() - t)
+    return out
+
+
+def prologue_phases(x: torch.Tensor, ranks: int, iters: int) -> dict[str, float]:
+    """Milliseconds of each phase of rank 0's prologue on ``x`` (a ring of ``ranks``)."""
+    from dynamiq.collectives import get_schedule
+    from dynamiq.collectives.planning import chunk_layout, layout_align
+    from dynamiq.kernels import cpu_native
+
+    dq = get_codec("dynamiq")
+    n, sched = x.numel(), get_schedule("ring", ranks)
+    chunks, _ = chunk_layout(n, sched, dq, 1 << 62)
+    align = layout_align(sched, dq)
+    stats = dq.prologue_statistics(x, 0, chunks)
+    assert stats is not None
+
+    def result() -> dict:
+        return dq.prologue_result(stats, n, ranks, chunks, align)
+
+    def budgets() -> dict:
+        got = result()
+        pool.span_budgets(got[pool.SHARED_KEY], dq.bits, dq.balance)
+        return got
+
+    shared = result()
+    bounds = shared.get("dynamiq.chunk_bounds", chunks)
+    pieces = chunk_layout(n, sched, dq, 1 << 18, bounds)[1]  # the engine's sub-chunks
+
+    def kernel_args() -> None:  # a fresh result each time: nothing memoized yet
+        sh = budgets()
+        for piece in pieces:
+            for a, b in piece:
+                ctx = HopContext(shared=sh, offset=a)
+                cpu_native._pooled_args(dq, b - a, ctx, ctx)
+
+    t_stats = _best(lambda: dq.prologue_statistics(x, 0, chunks), iters)
+    t_result, t_budgets, t_args = (_best(f, iters) for f in (result, budgets, kernel_args))
+    ms = {
+        "statistics (demand, flags)": t_stats,
+        "result (checks, re-cut)": t_result,
+        "budgets": t_budgets - t_result,
+        "kernel arguments (every piece)": t_args - t_budgets,
+    }
+    ms["total"] = sum(ms.values())
+    return {k: round(1e3 * v, 2) for k, v in ms.items()}
+
+
+def simulated_ratio(xs: list[torch.Tensor], iters: int, engine: str) -> dict[str, float]:
+    """CPU seconds of one in-process all-reduce (``simulate_allreduce``, ring; ``engine``:
+    the batched simulator, or the engine itself on threads) of the pooled default and of the
+    span design, and their ratio."""
+    from dynamiq.collectives import simulate_allreduce
+
+    def run(codec: object) -> object:
+        return simulate_allreduce(xs, codec, "ring", seed=0, return_bound=False, engine=engine)
+
+    sec = {
+        name: _best(lambda c=c: run(c), iters)
+        for name, c in (("dynamiq", "dynamiq"), ("span design", SPAN_DESIGN))
+    }
+    ratio = sec["dynamiq"] / sec["span design"]
+    return {**{k: round(v, 3) for k, v in sec.items()}, "ratio": round(ratio, 3)}
+
+
+def phases_main(args: argparse.Namespace) -> None:
+    from dynamiq.data import FAMILIES
+
+    out: dict[str, object] = {"numel": args.numel, "bucket": args.bucket, "ranks": args.ranks}
+    out["threads"] = torch.get_num_threads()
+    for family in args.families.split(",") if args.families else FAMILIES:
+        g = load_gradients("eval", 16, family=family, progress=False).reshape(-1)
+        g = g.repeat(-(-args.numel * args.ranks // g.numel()))  # (digits: fewer values)
+        x = g[: args.numel].contiguous()
+        out[family] = prologue_phases(x, args.ranks, args.iters)
+        out[f"{family} bucket"] = prologue_phases(x[: args.bucket].clone(), args.ranks, args.iters)
+        if args.simulate:
+            xs = [g[r * args.numel : (r + 1) * args.numel].clone() for r in range(args.ranks)]
+            key = f"{family} simulate_allreduce ({args.engine})"
+            out[key] = simulated_ratio(xs, max(1, args.iters // 3), args.engine)
+    print(json.dumps(out, indent=1))
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=int, default=1 << 24)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: as set)")
+    ap.add_argument("--phases", action="store_true", help="the prologue, phase by phase")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--bucket", type=int, default=700_000, help="values of a bench-train bucket")
+    ap.add_argument("--simulate", action="store_true", help="with --phases: pooled / span")
+    ap.add_argument("--engine", choices=("batched", "threads"), default="batched")
+    ap.add_argument("--families", default="", help="with --phases: these only (default: all)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.phases:
+        phases_main(args)
+        return
     g = load_gradients("eval", 16, progress=False).reshape(-1)
     n = args.numel
     x, local = g[:n].contiguous(), g[n : 2 * n].contiguous()

@@ -18,11 +18,20 @@ derives the same budget for every span of the collective buffer, in integer arit
   value). Inside a span the groups then share its budget by the span's own water-filling
   (dynamiq_codec.py), which needs nothing from other spans, so results do not depend on how
   the engine cuts the buffer.
+
+**Where it runs.** The functions here are the reference. On CPU buffers of at least
+``_NATIVE_MIN`` values whose regions start on whole groups (every engine cut) the native
+kernels (``dynamiq/kernels/csrc/dynamiq_pool.cpp``) give the same integers: the demand in two
+passes (one over the values: group absmax, levels from :func:`level_table`, the level
+histogram; one over the group levels at the threshold found from the histogram here), and
+the integer sharing of :func:`_distribute`. The kernels' per-span budgets and payload offsets
+are memoized in the result (:func:`chunk_kernel_args`, :func:`chunk_bytes`).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -39,6 +48,7 @@ __all__ = [
     "SHARED_KEY",
     "chunk_budgets",
     "chunk_bytes",
+    "chunk_kernel_args",
     "gathered",
     "shared_from_statistics",
     "span_budgets",
@@ -159,23 +169,102 @@ def _aligned_group_absmax(
     return a_g.view(n_spans, per), float(groups.max()) if groups.numel() else 0.0
 
 
+def _level(k: int, a: torch.Tensor) -> torch.Tensor:
+    """A group's level ``floor(k log2 absmax)`` (int32) of fp32 absmax ``a > 0``."""
+    return torch.floor(k * torch.log2(a)).to(torch.int32)
+
+
+#: thresholds of one binade in :func:`level_table`'s rows (the C kernel's ``KT``)
+_PER_BINADE = 8
+#: fp32 bit patterns each side of a threshold at which :func:`level_table` checks it
+_CHECK = 256
+
+
+@functools.cache
+def level_table(k: int) -> dict[str, Any] | None:
+    """:func:`_level` as a table the native kernel reads (``csrc/dynamiq_pool.cpp``): the
+    smallest fp32 magnitude bits of every level above the lowest (``all``, ascending, int32),
+    each binade's of them (``row``, ``[256, 8]``, padded with ``0x7FFFFFFF``), the level of
+    each binade's smallest value less those inside it (``base``) and the lowest level
+    (``l_min``); a value's level is ``l_min`` plus the thresholds at or below its bits. Found
+    from :func:`_level` itself by bisection, and checked against it at the
+    ``_CHECK`` bit patterns each side of every threshold (far from them ``log2``'s
+    rounding cannot cross a level); ``None`` if that check fails or a binade holds more
+    than 8 (the reference then runs)."""
+    lo_b, hi_b = 1, 0x7F7FFFFF  # the positive finite fp32 values
+
+    def level(bits: torch.Tensor) -> torch.Tensor:
+        return _level(k, bits.to(torch.int32).view(torch.float32)).to(torch.int64)
+
+    l_min, l_max = (int(v) for v in level(torch.tensor([lo_b, hi_b])))
+    want = torch.arange(l_min + 1, l_max + 1, dtype=torch.int64)
+    lo, hi = torch.full_like(want, lo_b), torch.full_like(want, hi_b)
+    for _ in range(32):  # the smallest bits of level >= want lie in (lo, hi]
+        mid = (lo + hi) // 2
+        up = level(mid) >= want
+        hi, lo = torch.where(up, mid, hi), torch.where(up, lo, mid)
+    near = (hi.view(-1, 1) + torch.arange(-_CHECK, _CHECK)).clamp(lo_b, hi_b).reshape(-1)
+    if not torch.equal(level(near), l_min + torch.searchsorted(hi, near, right=True)):
+        return None
+    binade = hi >> 23
+    per = torch.bincount(binade, minlength=256)
+    if int(per[1:].max()) > _PER_BINADE:
+        return None
+    row = torch.full((256, _PER_BINADE), 0x7FFFFFFF, dtype=torch.int64)
+    rank = torch.arange(hi.numel()) - (torch.cumsum(per, 0) - per)[binade]
+    normal = binade > 0  # (the kernel searches ``all`` for subnormals)
+    row[binade[normal], rank[normal]] = hi[normal]
+    below = torch.searchsorted(hi, torch.arange(256, dtype=torch.int64) << 23)
+    return {
+        "all": hi.to(torch.int32),
+        "row": row.to(torch.int32).reshape(-1),
+        "base": (l_min + below).to(torch.int32),
+        "l_min": l_min,
+    }
+
+
+def _threshold(k: int, hist: torch.Tensor, lo_l: int, budget: int) -> int:
+    """The smallest water-filling threshold whose cost fits ``budget`` bits: ``hist[j]``
+    the elements of the live groups of level ``lo_l + j`` (``nb + 1`` entries, the last 0):
+    the next bit of a group at level ``L`` and width ``w`` is worth ``8 L + Q[w]``; every
+    bit worth at least the threshold is taken."""
+    q = _priority_q(k)
+    nb = hist.numel() - 1
+    suf = hist.flip(0).cumsum(0).flip(0).tolist()  # suf[j]: elements with L >= lo + j
+
+    def cost(tau: int) -> int:  # a group takes its bit w iff L >= ceil((tau - Q)/8)
+        return sum(suf[min(max(((tau - qw + 7) >> 3) - lo_l, 0), nb)] for qw in q)
+
+    lo, hi = 8 * lo_l + min(q), 8 * (lo_l + nb - 1) + max(q) + 1
+    while lo < hi:  # the smallest threshold whose cost fits
+        mid = (lo + hi) >> 1
+        if cost(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _priority_q(k: int) -> list[int]:
+    from .dynamiq_codec import _PRIORITY  # the codec imports this module
+
+    return list(_PRIORITY[k])
+
+
 def _demand(
     codec: DynamiqCodec, a_g: torch.Tensor, sizes: torch.Tensor, budget: int
 ) -> torch.Tensor:
     """Each span's bits when ``budget`` bits are pooled over every group of the buffer by
-    the codec's water-filling (``[spans, groups]`` absmax and sizes): the next bit of a group
-    at level ``L = floor(k log2 absmax)`` and width ``w`` is worth ``8 L + Q[w]``; every bit
-    worth at least the lowest threshold that fits is taken (a prediction: its leftover bits
-    are not placed)."""
-    from .dynamiq_codec import _PRIORITY, _priority_tables  # the codec imports this module
+    the codec's water-filling (``[spans, groups]`` absmax and sizes; :func:`_threshold`;
+    a prediction: its leftover bits are not placed)."""
+    from .dynamiq_codec import _priority_tables  # the codec imports this module
 
     k, g = codec.scale_steps, codec.group
-    q = torch.tensor(_PRIORITY[k], device=a_g.device)
     live = (a_g > 0) & (sizes > 0)
     if not bool(live.any()):
         return torch.zeros(a_g.shape[0], dtype=torch.int64, device=a_g.device)
 
-    level = torch.floor(k * torch.log2(torch.where(live, a_g, 1.0))).to(torch.int32)
+    level = _level(k, torch.where(live, a_g, 1.0))
     lo_l = int(torch.where(live, level, 1 << 30).min())
     nb = int(torch.where(live, level, -(1 << 30)).max()) - lo_l + 1
     # the histogram of the live groups' levels weighted by their sizes: g each, less what the
@@ -184,24 +273,47 @@ def _demand(
     hist = torch.bincount(rel, minlength=nb + 2)[: nb + 1] * g
     short = torch.nonzero((live & (sizes < g)).reshape(-1)).reshape(-1)
     hist.index_add_(0, rel[short].to(torch.int64), sizes.reshape(-1)[short] - g)
-    suf = hist.flip(0).cumsum(0).flip(0)  # suf[j]: elements with L >= lo + j
-
-    def cost(tau: int) -> int:
-        j = ((tau - q + 7) >> 3) - lo_l  # a group takes its bit w iff L >= ceil((tau - Q)/8)
-        return int(suf[j.clamp(0, nb)].sum())
-
-    lo, hi = 8 * lo_l + int(q.min()), 8 * (lo_l + nb - 1) + int(q.max()) + 1
-    while lo < hi:  # the smallest threshold whose cost fits
-        mid = (lo + hi) >> 1
-        if cost(mid) <= budget:
-            hi = mid
-        else:
-            lo = mid + 1
+    tau = _threshold(k, hist.cpu(), lo_l, budget)
     # width: how many Q[w] >= tau - 8 L, from a table over the range of Q
     _, count = _priority_tables(k, a_g.device)
-    q_lo, q_hi = int(q.min()), int(q.max())
-    w = count.index_select(0, (lo - 8 * level - q_lo).clamp(0, q_hi - q_lo + 1).reshape(-1))
+    q = _priority_q(k)
+    q_lo, q_hi = min(q), max(q)
+    w = count.index_select(0, (tau - 8 * level - q_lo).clamp(0, q_hi - q_lo + 1).reshape(-1))
     return (torch.where(live, w.view(level.shape), 0) * sizes).sum(dim=1)
+
+
+def _native_demand(
+    codec: DynamiqCodec, flat: torch.Tensor, regions: list[tuple[int, int]], budget: int
+) -> tuple[torch.Tensor, float] | None:
+    """:func:`_group_absmax` and :func:`_demand` in two passes of the native CPU kernel
+    (``csrc/dynamiq_pool.cpp``; the same numbers): every span's demand and the largest
+    finite ``|x|``; ``None`` where it does not run (not a CPU buffer of at least
+    ``_NATIVE_MIN`` fp32/bf16/fp16 values, a region not on a whole group, no kernels)."""
+    g, k = codec.group, codec.scale_steps
+    if flat.device.type != "cpu" or flat.numel() < _NATIVE_MIN or flat.dtype not in _NATIVE_DTYPES:
+        return None
+    if any(a % g for a, _ in regions):
+        return None
+    from dynamiq.kernels import cpu_native  # (the kernels import the codecs)
+
+    table = level_table(k)
+    if table is None or not (cpu_native.cpu_kernels_enabled() and cpu_native.available()):
+        return None
+    from .dynamiq_codec import _priority_tables  # the codec imports this module
+
+    levels, hist, worst = cpu_native.pool_levels(flat.contiguous(), g, table)
+    n_spans = sum(-(-(b - a) // codec.span) for a, b in regions)
+    used = torch.nonzero(hist).reshape(-1)
+    if used.numel() == 0:
+        return torch.zeros(n_spans, dtype=torch.int64), worst
+    first, last = int(used[0]), int(used[-1])
+    lo_l = table["l_min"] + first
+    tau = _threshold(k, torch.cat([hist[first : last + 1], hist.new_zeros(1)]), lo_l, budget)
+    _, count = _priority_tables(k, torch.device("cpu"))
+    demand = cpu_native.pool_demand(
+        levels, flat.numel(), g, regions, codec.span, tau, count, min(_priority_q(k))
+    )
+    return demand, worst
 
 
 def span_statistics(
@@ -218,11 +330,15 @@ def span_statistics(
     if n == 0:
         out[-1] = -150
         return out
-    a_g, worst = _group_absmax(codec, flat, regions, n_spans)
-    notional = max(codec.bits - DEMAND_OFFSET, 0.5)
-    start = torch.arange(span // g, device=flat.device) * g
-    sizes = (lens.to(flat.device).view(-1, 1) - start).clamp(0, g)  # padding groups weigh 0
-    demand = _demand(codec, a_g, sizes, math.floor(notional * n))
+    budget = math.floor(max(codec.bits - DEMAND_OFFSET, 0.5) * n)
+    native = _native_demand(codec, flat, regions, budget)
+    if native is not None:
+        demand, worst = native
+    else:
+        a_g, worst = _group_absmax(codec, flat, regions, n_spans)
+        start = torch.arange(span // g, device=flat.device) * g
+        sizes = (lens.to(flat.device).view(-1, 1) - start).clamp(0, g)  # padding weighs 0
+        demand = _demand(codec, a_g, sizes, budget)
     out[:n_spans] = demand.to(out.dtype).cpu()
     out[n_spans] = min(rank + 1, (1 << 15) - 1) if worst > codec.max_input_abs else 0
     out[n_spans + 1] = int(exponent_of(torch.tensor([worst])).item()) if worst > 0 else -150
@@ -307,9 +423,9 @@ def recut(
     if align % codec.span:
         raise ValueError(f"dynamiq: chunks aligned to {align} values cut spans of {codec.span}")
     units = -(-numel // align)
-    zero = torch.zeros(lens.numel(), dtype=torch.int64)
+    zero = torch.zeros(1, dtype=torch.int64)
     total = torch.tensor([math.floor(codec.bits * numel) // 8])
-    whole = _distribute(demand, lens, zero, total)
+    whole = _distribute(demand, lens, [0, lens.numel()], total)
     per_unit = torch.arange(lens.numel()) // (align // codec.span)
     cum = torch.cat([zero[:1], _segment_sum(whole, per_unit, units).cumsum(0)]).tolist()
     mean = numel / parts
@@ -360,6 +476,8 @@ class Pool:
     fixed: torch.Tensor | None = None
     #: per bits/value, the container bytes of the spans before each span (and the total)
     prefix: dict[float, list[int]] = field(default_factory=dict)
+    #: per bits/value, every span's budget (bits) and start (:func:`chunk_kernel_args`)
+    kernel_args: dict[float, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Pool):
@@ -390,11 +508,26 @@ def _spread(
 
 
 def _distribute(
+    demand: torch.Tensor, lens: torch.Tensor, first: list[int], total: torch.Tensor
+) -> torch.Tensor:
+    """Bytes of every span: each segment's ``total`` shared among its spans (segment ``s``:
+    the spans ``first[s]:first[s + 1]``) in proportion to ``demand``, at most ``lens`` (a
+    byte a value) each; a segment demanding nothing shares evenly. By the native CPU kernel
+    where it runs, for 256 spans or more (``csrc/dynamiq_pool.cpp``: the same integers),
+    else :func:`_distribute_reference`."""
+    from dynamiq.kernels import cpu_native  # (the kernels import the codecs)
+
+    native = lens.numel() >= _NATIVE_MIN // 256 and cpu_native.cpu_kernels_enabled()
+    if native and cpu_native.available():
+        return cpu_native.pool_distribute(demand, lens, first, total)
+    seg = torch.repeat_interleave(torch.arange(len(first) - 1), torch.tensor(first).diff())
+    return _distribute_reference(demand, lens, seg, total)
+
+
+def _distribute_reference(
     demand: torch.Tensor, lens: torch.Tensor, seg: torch.Tensor, total: torch.Tensor
 ) -> torch.Tensor:
-    """Bytes of every span: each segment's ``total`` shared among its spans (``seg``: each
-    span's segment) in proportion to ``demand``, at most ``lens`` (a byte a value) each; a
-    segment demanding nothing shares evenly."""
+    """:func:`_distribute` in PyTorch (``seg``: each span's segment, ascending)."""
     n_seg = total.numel()
     seg_len = _segment_sum(lens, seg, n_seg)
     want = _segment_sum(demand, seg, n_seg)
@@ -449,7 +582,7 @@ def span_budgets(pool: Pool, bits: float, balance: float) -> torch.Tensor:
     n_seg = len(first) - 1
     seg = torch.repeat_interleave(torch.arange(n_seg), torch.tensor(first).diff())
     uniform = torch.tensor([math.floor(bits * (b - a)) // 8 for a, b in pool.regions])
-    whole = _distribute(demand, lens, torch.zeros_like(seg), uniform.sum().view(1))
+    whole = _distribute(demand, lens, [0, lens.numel()], uniform.sum().view(1))
     pooled = _segment_sum(whole, seg, n_seg)
     # every region at most `balance` times the mean region's share: the largest message of
     # a round over the mean (a region of fewer values may hold more bytes per value)
@@ -461,7 +594,7 @@ def span_budgets(pool: Pool, bits: float, balance: float) -> torch.Tensor:
     totals = _region_totals(pooled, uniform, cap)
     # one region holding the whole buffer's bytes: the same sharing as the whole buffer's
     same = n_seg == 1 and torch.equal(totals, uniform.sum().view(1))
-    out = whole if same else _distribute(demand, lens, seg, totals)
+    out = whole if same else _distribute(demand, lens, first, totals)
     pool.budgets[bits] = out
     return out
 
@@ -492,11 +625,40 @@ def chunk_bytes(
     if numel == 0 and 0 <= offset <= pool.numel:
         return 0
     first = _first_span(codec, pool, numel, offset)
-    prefix = pool.prefix.get(bits)
-    if prefix is None:
-        budgets = span_budgets(pool, bits, codec.balance)
-        prefix = pool.prefix[bits] = [0, *torch.cumsum(budgets, 0).tolist()]
+    prefix = _prefix(codec, pool, bits)
     return prefix[first + -(-numel // codec.span)] - prefix[first]
+
+
+def _prefix(codec: DynamiqCodec, pool: Pool, bits: float) -> list[int]:
+    got = pool.prefix.get(bits)
+    if got is None:
+        budgets = span_budgets(pool, bits, codec.balance)
+        got = pool.prefix[bits] = [0, *torch.cumsum(budgets, 0).tolist()]
+    return got
+
+
+def chunk_kernel_args(
+    codec: DynamiqCodec, shared: Any, numel: int, offset: int, bits: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What the native kernels take for the spans of ``numel`` values at global ``offset``:
+    each span's budget (bits; a view) and its payload's byte offset in the chunk's payload
+    (int64, contiguous, CPU); ``None`` as :func:`chunk_budgets`. From two tensors over every
+    span memoized in the pool per bits/value: the budgets in bits, and each span's start
+    were every span whole (its budget plus a whole span's header): every span of a chunk but
+    its last is whole, so only whole spans lie between two of its spans' starts."""
+    pool = _pool_of(shared)
+    if pool is None:
+        return None
+    if numel == 0 and 0 <= offset <= pool.numel:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    first = _first_span(codec, pool, numel, offset)
+    got = pool.kernel_args.get(bits)
+    if got is None:
+        budgets = span_budgets(pool, bits, codec.balance)
+        sizes = budgets + sum(codec._header_bytes(codec.span))
+        got = pool.kernel_args[bits] = (budgets * 8, torch.cumsum(sizes, 0) - sizes)
+    end = first + -(-numel // codec.span)
+    return got[0][first:end], got[1][first:end] - got[1][first]
 
 
 def _pool_of(shared: Any) -> Pool | None:

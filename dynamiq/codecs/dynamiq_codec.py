@@ -378,12 +378,47 @@ class DynamiqCodec(Codec):
         sb, eb = self._header_bytes(length)
         return sb + eb + (self._budget(length, ctx) + 7) // 8
 
+    def _pool_shared(self, ctx: HopContext | None) -> Any:
+        """``ctx.shared`` where the spans' budgets may come from a prologue's result."""
+        if self.pooling != "bucket" or ctx is None:
+            return None
+        return ctx.shared
+
     def _pooled_bytes(self, numel: int, ctx: HopContext | None) -> torch.Tensor | None:
         """Container bytes of each span of ``numel`` values at ``ctx.offset`` from the
         prologue's result (int64, CPU), or ``None``: every span has the uniform budget."""
-        if self.pooling != "bucket" or ctx is None or ctx.shared is None:
+        shared = self._pool_shared(ctx)
+        if shared is None:
             return None
-        return _pool.chunk_budgets(self, ctx.shared, numel, ctx.offset, self._bits_at(ctx))
+        assert ctx is not None
+        return _pool.chunk_budgets(self, shared, numel, ctx.offset, self._bits_at(ctx))
+
+    def _pooled_total(self, numel: int, ctx: HopContext | None) -> int | None:
+        """``int(_span_sizes(numel, budgets).sum())`` of the pooled budgets (the payload's
+        bytes) from the pool's memoized prefix sums, without tensors; ``None`` as
+        :meth:`_pooled_bytes`."""
+        shared = self._pool_shared(ctx)
+        if shared is None:
+            return None
+        assert ctx is not None
+        pooled = _pool.chunk_bytes(self, shared, numel, ctx.offset, self._bits_at(ctx))
+        if pooled is None:
+            return None
+        full, rest = divmod(numel, self.span)
+        head = sum(self._header_bytes(self.span))
+        last = sum(self._header_bytes(rest)) - head if rest else 0
+        return pooled + (full + (1 if rest else 0)) * head + last
+
+    def _pooled_kernel_args(
+        self, numel: int, ctx: HopContext | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The pooled spans' budgets (bits) and payload offsets the native kernels take
+        (:func:`~dynamiq.codecs._dynamiq_pool.chunk_kernel_args`), or ``None``."""
+        shared = self._pool_shared(ctx)
+        if shared is None:
+            return None
+        assert ctx is not None
+        return _pool.chunk_kernel_args(self, shared, numel, ctx.offset, self._bits_at(ctx))
 
     def _span_budgets(self, numel: int, ctx: HopContext | None) -> torch.Tensor:
         """The budget (bits) of each span of ``numel`` values (int64, CPU)."""
@@ -415,14 +450,9 @@ class DynamiqCodec(Codec):
         return [0, *torch.cumsum(self._span_sizes(numel, budgets), 0).tolist()]
 
     def encoded_nbytes(self, numel: int, ctx: HopContext | None = None) -> int:
-        if self.pooling == "bucket" and ctx is not None and ctx.shared is not None:
-            pooled = _pool.chunk_bytes(self, ctx.shared, numel, ctx.offset, self._bits_at(ctx))
-            if pooled is not None:  # = _span_sizes(numel, budgets).sum(), without tensors
-                full, rest = divmod(numel, self.span)
-                spans = full + (1 if rest else 0)
-                head = sum(self._header_bytes(self.span))
-                last = sum(self._header_bytes(rest)) - head if rest else 0
-                return pooled + spans * head + last
+        pooled = self._pooled_total(numel, ctx)
+        if pooled is not None:
+            return pooled
         full, rest = divmod(numel, self.span)
         return full * self._span_bytes(self.span, ctx) + (
             self._span_bytes(rest, ctx) if rest else 0

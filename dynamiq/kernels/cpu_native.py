@@ -108,6 +108,7 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = (
     _CSRC / "cpu_kernels.cpp",
     _CSRC / "dynamiq_kernels.cpp",
+    _CSRC / "dynamiq_pool.cpp",
     _CSRC / "passthrough_kernels.cpp",
 )
 #: what they include
@@ -126,7 +127,7 @@ _LINK = ("-pthread",)
 #: ``DYNAMIQ_CPU_SANITIZE=address``: a debugging build under AddressSanitizer (its own cache
 #: entry); the process must preload the compiler's libasan: ``make sanitize`` does both
 _SANITIZE = {"address": ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address")}
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 
 
 class CPUKernelsUnavailableWarning(RuntimeWarning):
@@ -761,12 +762,11 @@ def _pooled_args(
     ptrs: dict[str, int | None] = {}
     keep: list[torch.Tensor] = []
     for side, c in (("in", in_ctx), ("out", ctx)):
-        pooled = codec._pooled_bytes(n, c)
+        pooled = codec._pooled_kernel_args(n, c)  # memoized in the prologue's result
         if pooled is None:
             ptrs[f"budget_{side}_of"] = ptrs[f"offset_{side}_of"] = None
             continue
-        bits = (pooled * 8).contiguous()
-        offs = codec._span_offset_tensor(n, bits).contiguous()
+        bits, offs = pooled
         keep += [bits, offs]
         ptrs[f"budget_{side}_of"], ptrs[f"offset_{side}_of"] = bits.data_ptr(), offs.data_ptr()
     return ptrs, keep
@@ -876,6 +876,99 @@ def group_absmax(x: torch.Tensor, group: int) -> torch.Tensor:
             x.data_ptr(), _KIND[x.dtype], n, group, out.data_ptr(), _threads(n)
         )
         _check_status(status)
+    return out
+
+
+@functools.cache
+def _pool_lib() -> ctypes.CDLL:
+    """The library with the pooled prologue's functions declared (``csrc/dynamiq_pool.cpp``)."""
+    lib = _load()
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    lib.dq_dyn_pool_levels.argtypes = [p, i32, i64, i64, p, p, p, i64, i32, p, p, p, i32]
+    lib.dq_dyn_pool_demand.argtypes = [p, i64, i64, p, i64, i64, i64, p, i64, i64, p]
+    lib.dq_dyn_pool_distribute.argtypes = [p, p, i64, p, p, i64, p]
+    for fn in (lib.dq_dyn_pool_levels, lib.dq_dyn_pool_demand, lib.dq_dyn_pool_distribute):
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def pool_levels(
+    x: torch.Tensor, group: int, table: dict[str, Any]
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Pass 1 of the pooled prologue's demand (``_dynamiq_pool._native_demand``) over ``x``
+    (a contiguous 1-D CPU tensor of fp32, bf16 or fp16) cut into groups of ``group`` from 0,
+    the last maybe short: each group's level (int16; ``-32768`` for a finite absmax of 0),
+    the histogram of the live groups' levels from ``table["l_min"]`` weighted by their sizes
+    (int64), and the largest finite ``|x|``. ``table``: ``_dynamiq_pool.level_table``."""
+    _check_device(x)
+    _check_values("x", x)
+    if group < 1:
+        raise ValueError(f"group must be positive (got {group})")
+    n = x.numel()
+    levels = torch.empty(-(-n // group), dtype=torch.int16)
+    all_thr = table["all"]
+    hist = torch.empty(all_thr.numel() + 1, dtype=torch.int64)
+    top = ctypes.c_uint32(0)
+    status = _pool_lib().dq_dyn_pool_levels(
+        x.data_ptr(), _KIND[x.dtype], n, group, table["row"].data_ptr(),
+        table["base"].data_ptr(), all_thr.data_ptr(), all_thr.numel(), table["l_min"],
+        levels.data_ptr(), hist.data_ptr(), ctypes.byref(top), _threads(n),
+    )  # fmt: skip
+    _check_status(status)
+    return levels, hist, struct.unpack("<f", struct.pack("<I", top.value))[0]
+
+
+def pool_demand(
+    levels: torch.Tensor,
+    n: int,
+    group: int,
+    regions: list[tuple[int, int]],
+    span: int,
+    tau: int,
+    count: torch.Tensor,
+    q_lo: int,
+) -> torch.Tensor:
+    """Pass 2: the demand (bits, int64) of every span of ``regions`` (each starting on a
+    multiple of ``group``) of the ``n`` values whose group ``levels`` :func:`pool_levels`
+    gave, at the water-filling threshold ``tau`` (``count``: ``_priority_tables``' widths)."""
+    ok = levels.dtype == torch.int16 and levels.numel() == -(-n // group) and span >= group > 0
+    ok = ok and all(0 <= a <= b <= n and a % group == 0 for a, b in regions)
+    if not ok or count.numel() < 1 or levels.device.type != "cpu":
+        raise ValueError(
+            f"pool_demand: {levels.numel()} int16 group levels, regions {list(regions)[:4]}... "
+            f"on whole groups of {group} of {n} values, spans of {span} expected"
+        )
+    bounds = torch.tensor(regions, dtype=torch.int64).reshape(-1)
+    count = count.to(torch.int64).contiguous()
+    n_spans = sum(-(-(b - a) // span) for a, b in regions)
+    out = torch.empty(n_spans, dtype=torch.int64)
+    _pool_lib().dq_dyn_pool_demand(
+        levels.data_ptr(), n, group, bounds.data_ptr(), len(regions), span, tau,
+        count.data_ptr(), count.numel(), q_lo, out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def pool_distribute(
+    demand: torch.Tensor, lens: torch.Tensor, first: list[int], total: torch.Tensor
+) -> torch.Tensor:
+    """``_dynamiq_pool._distribute`` (int64 CPU tensors; segment ``s`` holds the spans
+    ``first[s]:first[s + 1]``)."""
+    demand, lens = demand.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
+    total = total.to(torch.int64).contiguous()
+    n = lens.numel()
+    ordered = list(first) == sorted(first)
+    if demand.numel() != n or not first or first[0] != 0 or first[-1] != n or not ordered:
+        raise ValueError(f"pool_distribute: segment starts {first[:4]}... do not cut {n} spans")
+    if total.numel() != len(first) - 1 or bool((total < 0).any() | (demand < 0).any()):
+        raise ValueError("pool_distribute: one total a segment, totals and demand >= 0")
+    starts = torch.tensor(first, dtype=torch.int64)
+    out = torch.empty(lens.numel(), dtype=torch.int64)
+    status = _pool_lib().dq_dyn_pool_distribute(
+        demand.data_ptr(), lens.data_ptr(), lens.numel(), starts.data_ptr(),
+        total.data_ptr(), total.numel(), out.data_ptr(),
+    )  # fmt: skip
+    _check_status(status)
     return out
 
 

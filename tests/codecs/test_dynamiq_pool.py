@@ -79,12 +79,15 @@ def test_budgets_fit_and_balance(chunks) -> None:
     assert codec.encoded_nbytes(9001, ctx) == codec.encode(xs[1], ctx).numel()
 
 
-def test_chunk_bytes_equal_the_budgets_and_encoded_sizes() -> None:
+@pytest.mark.parametrize(
+    "chunks", [[(0, 2560), (2560, 5120), (5120, 9001)], [(0, 2600), (2600, 5200), (5200, 9001)]]
+)
+def test_chunk_bytes_equal_the_budgets_and_encoded_sizes(chunks) -> None:
     """``encoded_nbytes`` sizes a pooled sub-chunk from memoized prefix sums: equal to the
     sum of the spans' budgets and to the encoding's own size for every sub-chunk of every
-    region (whole spans, and each region's short last span), and it refuses a cut span."""
+    region (whole spans, and each region's short last span, also mid-buffer), and it refuses
+    a cut span; the native kernels' memoized budgets and offsets are the spans' own."""
     codec = DynamiqCodec()
-    chunks = [(0, 2560), (2560, 5120), (5120, 9001)]
     xs = [grads(9001, s) for s in range(3)]
     shared = prologue(codec, xs, chunks)[0]
     ctx = HopContext(shared=shared)
@@ -97,9 +100,17 @@ def test_chunk_bytes_equal_the_budgets_and_encoded_sizes() -> None:
             nbytes = codec.encoded_nbytes(hi - lo, sub)
             assert nbytes == int(codec._span_sizes(hi - lo, want * 8).sum())
             assert nbytes == codec.encode(xs[0][lo:hi].contiguous(), sub).numel()
+            got = codec._pooled_kernel_args(hi - lo, sub)
+            assert got is not None and got[0].is_contiguous()
+            assert torch.equal(got[0], want * 8)
+            assert torch.equal(got[1], codec._span_offset_tensor(hi - lo, want * 8))
     with pytest.raises(ValueError, match="not whole spans"):
         codec.encoded_nbytes(100, HopContext(shared=shared, offset=5))
+    with pytest.raises(ValueError, match="not whole spans"):
+        codec._pooled_kernel_args(100, HopContext(shared=shared, offset=5))
     assert codec.encoded_nbytes(0, ctx) == 0
+    assert [t.numel() for t in codec._pooled_kernel_args(0, ctx) or ()] == [0, 0]
+    assert codec._pooled_kernel_args(256, HopContext()) is None
 
 
 def test_demand_ignores_nonfinite_values() -> None:
@@ -254,9 +265,8 @@ def test_recut_is_the_best_cut_within_the_value_slack(
     assert all(a % align == 0 and (b % align == 0 or b == numel) for a, b in got)
     assert all(p[1] == q[0] for p, q in itertools.pairwise(got))
     # the same budgets recut uses, summed per unit of `align` values
-    zero = torch.zeros(lens.numel(), dtype=torch.int64)
     total = torch.tensor([math.floor(codec.bits * numel) // 8])
-    whole = pool._distribute(reduced[:-2].long().clamp(min=0), lens, zero, total)
+    whole = pool._distribute(reduced[:-2].long().clamp(min=0), lens, [0, lens.numel()], total)
     per = align // codec.span
     unit_bytes = [int(whole[i * per : (i + 1) * per].sum()) for i in range(units)]
     cum = [0, *itertools.accumulate(unit_bytes)]

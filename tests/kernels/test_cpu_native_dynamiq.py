@@ -559,19 +559,23 @@ def test_group_absmax_bad_input() -> None:
         cpu_native.group_absmax(torch.ones(32, dtype=torch.float64), 16)
 
 
-def test_prologue_statistics_native_or_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The prologue's statistics of a large buffer (its group absmax from the native kernel)
-    equal those with the native kernels switched off (PyTorch), NaN and ±Inf included."""
+@pytest.mark.parametrize(("cut", "kernel"), [(70000, "pool_levels"), (70001, "group_absmax")])
+def test_prologue_statistics_native_or_not(
+    monkeypatch: pytest.MonkeyPatch, cut: int, kernel: str
+) -> None:
+    """The prologue's statistics of a large buffer (the whole demand from the native kernel
+    when the regions start on whole groups, else its group absmax) equal those with the
+    native kernels switched off (PyTorch), NaN and ±Inf included."""
     from dynamiq.codecs import _dynamiq_pool as pool
 
     codec = dq()
     n = 3 * (1 << 16) + 77
     x = random_values(n, 8) * torch.exp2(torch.randint(-20, 20, (n,)).float())
     x[[5, 70000, n - 1]] = torch.tensor([math.nan, math.inf, -math.inf])
-    regions = pool.regions_of(codec, n, [(0, 70000), (70000, n)])
+    regions = pool.regions_of(codec, n, [(0, cut), (cut, n)])
     calls: list[int] = []
-    real = cpu_native.group_absmax
-    monkeypatch.setattr(cpu_native, "group_absmax", lambda v, g: calls.append(1) or real(v, g))
+    real = getattr(cpu_native, kernel)
+    monkeypatch.setattr(cpu_native, kernel, lambda *a: calls.append(1) or real(*a))
     native = pool.span_statistics(codec, x, 1, regions)
     ran = len(calls)
     assert ran  # the native kernel ran
