@@ -131,6 +131,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_plan)
     psub = p.add_subparsers(dest="plan_command", metavar="calibrate")
+    _add_calibrate(psub)
+    return p
+
+
+def _add_calibrate(psub: Any) -> None:
+    """``dynamiq plan calibrate``'s parser."""
     c = psub.add_parser(
         "calibrate",
         help="measure the parameters: kernel costs on this CPU, the emulated links",
@@ -160,7 +166,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     c.add_argument("--ranks", type=int, default=4, help="ranks of the emulated cluster (4)")
     c.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
     c.set_defaults(func=cmd_calibrate)
-    return p
 
 
 def _fail(msg: str) -> int:
