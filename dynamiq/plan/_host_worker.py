@@ -12,16 +12,14 @@ system calls) and the wall seconds.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dynamiq.plan._link_worker import finish, join
 
 
 def _data(numel: int, rank: int) -> torch.Tensor:
@@ -50,23 +48,7 @@ def _time(codec: Any, schedule: str, numel: int, rank: int, repeats: int) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--master", required=True)
-    p.add_argument("--spec", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args(argv)
-    with open(args.spec) as f:
-        spec = json.load(f)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{args.master}",
-        rank=args.rank,
-        world_size=args.world,
-        timeout=timedelta(seconds=float(spec.get("timeout", 300))),
-    )
+    args, spec = join(argv, (__doc__ or "").splitlines()[0])
     result: dict[str, Any] = {"rank": args.rank, "runs": []}
     for codec in spec["codecs"]:
         for schedule in spec["schedules"]:
@@ -75,12 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["runs"].append(
                     {"codec": codec, "schedule": schedule, "numel": int(numel), **row}
                 )
-    dist.barrier()
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(args.out + ".tmp", args.out)
-    dist.destroy_process_group()
-    return 0
+    return finish(args, result)
 
 
 if __name__ == "__main__":

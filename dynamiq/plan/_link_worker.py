@@ -75,8 +75,10 @@ def _pattern(rank: int, rounds: list[list[list[int]]]) -> tuple[float, float]:
     return time.perf_counter() - t0, in_send
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+def join(argv: list[str] | None, description: str) -> tuple[argparse.Namespace, dict[str, Any]]:
+    """A calibration rank's start (this module's and :mod:`dynamiq.plan._host_worker`'s):
+    its arguments, its spec (JSON), one torch thread, and the gloo group joined."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--master", required=True)
@@ -93,6 +95,21 @@ def main(argv: list[str] | None = None) -> int:
         world_size=args.world,
         timeout=timedelta(seconds=float(spec.get("timeout", 300))),
     )
+    return args, spec
+
+
+def finish(args: argparse.Namespace, result: dict[str, Any]) -> int:
+    """Write this rank's result (atomically) once every rank is done, and leave the group."""
+    dist.barrier()
+    with open(args.out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(args.out + ".tmp", args.out)
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, spec = join(argv, (__doc__ or "").splitlines()[0])
     result: dict[str, Any] = {"rank": args.rank}
     dist.barrier()
     rtts = _pingpong(args.rank, int(spec["pingpong_iters"]), int(spec["pingpong_bytes"]))
@@ -107,12 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             times.append(t)
             sends.append(s)
         result["patterns"][name] = {"seconds": times, "isend_seconds": sends}
-    dist.barrier()
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(args.out + ".tmp", args.out)
-    dist.destroy_process_group()
-    return 0
+    return finish(args, result)
 
 
 if __name__ == "__main__":
