@@ -431,8 +431,6 @@ def calibrate_host(
         for row in by_sched.values():
             line = _line({int(k): v for k, v in row["cpu_s_per_rank"].items()})
             row["overhead"], row["per_value"] = line["overhead"], line["per_value"]
-            wall = _line({int(k): v for k, v in row["wall_s"].items()})
-            row["wall_overhead"], row["wall_per_value"] = wall["overhead"], wall["per_value"]
     return out
 
 
@@ -457,12 +455,9 @@ def host_floor(table: dict[str, Any], codec: str, schedule: str, numel: int) -> 
     if row is None or cpu is None:
         return None
     floor = int(table["ranks"]) * cpu / max(1, int(table["cores"]))
-    if "wall_per_value" not in row and row.get("wall_s"):  # (a table of before the line)
+    if row.get("wall_s"):  # the line through the loopback wall times
         line = _line({int(k): v for k, v in row["wall_s"].items()})
-        row = {**row, "wall_overhead": line["overhead"], "wall_per_value": line["per_value"]}
-    if "wall_per_value" in row:
-        wall = float(row["wall_overhead"]) + float(row["wall_per_value"]) * numel
-        floor = max(floor, wall)
+        floor = max(floor, float(line["overhead"]) + float(line["per_value"]) * numel)
     return floor
 
 
