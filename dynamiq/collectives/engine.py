@@ -318,6 +318,8 @@ class ScheduleRun:
         self.plan: list[RoundPlan] = []
         self.pieces: list[list[tuple[int, int]]] = []
         self.work = torch.empty(0)
+        self._source: torch.Tensor | None = None  # x, where ``work`` is not x itself
+        self._written: set[int] = set()  # starts of the pieces of ``work`` written (if so)
         self.state: list[_State] = []
         self.last_recv: dict[int, int] = {}
         self.deferred: list[_Deferred] = []
@@ -460,11 +462,14 @@ class ScheduleRun:
         self.plan = plan[self.rank]
         given = cfg.chunk_bounds if cfg.chunk_bounds is not None else self.recut
         _, self.pieces = chunk_layout(x.numel(), self.schedule, self.codec, cfg.sub_chunk, given)
-        # raw values (fp32), updated in place
+        # raw values (fp32), updated in place; else a buffer written piece by piece as the
+        # run produces values, a piece not yet written read from ``x`` (no copy up front: a
+        # reduce-scatter writes only the chunks it keeps)
         if cfg.inplace and x.dtype == torch.float32 and x.is_contiguous():
             self.work = x.detach()
         else:
-            self.work = x.detach().to(torch.float32).clone()
+            self.work = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+            self._source = x.detach().reshape(-1)
         self.state = [_State() for _ in range(self.schedule.num_chunks)]
         # A chunk whose last receive on this rank has happened holds its final bytes: decode
         # its sub-chunks in the next rounds, one before each wait for a peer's data (the link
@@ -520,12 +525,17 @@ class ScheduleRun:
         self._decode_deferred(len(self.deferred), before_round=len(self.plan))
         t = time.perf_counter()
         for ch, s in enumerate(self.state):
-            if not s.encoded or not self._wanted(ch):
+            if not self._wanted(ch):
+                continue
+            if not s.encoded:
+                for a, b in self.pieces[ch]:
+                    if self._source is not None and a not in self._written:
+                        self._write(a, b, self._raw(a, b))  # held raw all along (one rank)
                 continue
             assert s.codec is not None and s.ctx is not None
             for j, (a, b) in enumerate(self.pieces[ch]):
                 if (ch, j) not in self.decoded:
-                    self.work[a:b] = s.codec.decode(s.payloads[j], b - a, self._ctx(s.ctx, a))
+                    self._write(a, b, s.codec.decode(s.payloads[j], b - a, self._ctx(s.ctx, a)))
                 if self.bounds is not None:
                     bj = s.bounds[j]
                     assert bj is not None
@@ -699,7 +709,7 @@ class ScheduleRun:
         op, a, b = inc.op, inc.a, inc.b
         local, lb = self._local_value(self.state[op.chunk], inc.j, a, b)
         v = op.codec.decode(payload, b - a, self._ctx(op.ctx, a)) + local
-        self.work[a:b] = v
+        self._write(a, b, v)
         if self.bounds is not None:
             assert pb is not None and lb is not None
             self.bounds.beta[a:b] = addition_bound(v, pb, lb)
@@ -800,10 +810,21 @@ class ScheduleRun:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The value (and bound) this rank holds for sub-chunk ``j`` of a chunk."""
         if not s.encoded:
-            return self.work[a:b], (self.bounds.beta[a:b] if self.bounds is not None else None)
+            return self._raw(a, b), (self.bounds.beta[a:b] if self.bounds is not None else None)
         assert s.codec is not None and s.ctx is not None
         v = s.codec.decode(s.payloads[j], b - a, self._ctx(s.ctx, a))
         return v, s.bounds[j]
+
+    def _raw(self, a: int, b: int) -> torch.Tensor:
+        """The fp32 values of the piece ``[a, b)`` held raw (the input, until written)."""
+        if self._source is None or a in self._written:
+            return self.work[a:b]
+        return self._source[a:b].to(torch.float32)
+
+    def _write(self, a: int, b: int, v: torch.Tensor) -> None:
+        self.work[a:b] = v
+        if self._source is not None:
+            self._written.add(a)
 
     def _wanted(self, chunk: int) -> bool:
         outputs = self.config.outputs
@@ -825,7 +846,7 @@ class ScheduleRun:
             if not self.deferred or self.deferred[0].k >= before_round:
                 break
             d = self.deferred.pop(0)
-            self.work[d.a : d.b] = d.codec.decode(d.payload, d.b - d.a, self._ctx(d.ctx, d.a))
+            self._write(d.a, d.b, d.codec.decode(d.payload, d.b - d.a, self._ctx(d.ctx, d.a)))
         self.timer.add("decode", t)
 
     def _ident(self, k: int, chunk: int, j: int, src: int, dst: int) -> bytes:

@@ -120,6 +120,7 @@ def test_data_dependent_sizes_send_a_length_first(schedule: str) -> None:
 def test_reduce_scatter_then_all_gather(schedule: str, n: int) -> None:
     opts = {"ranks_per_node": 2 if n % 2 == 0 else 1} if schedule == "hierarchical" else None
     xs = _xs(n, 999, seed=n)
+    before = [x.clone() for x in xs]
     full = simulate_allreduce(
         xs, "mxfp6_e2m3", schedule, seed=3, sub_chunk=96, schedule_options=opts
     )
@@ -136,6 +137,7 @@ def test_reduce_scatter_then_all_gather(schedule: str, n: int) -> None:
             schedule_options=opts,
         ),
     )
+    assert all(torch.equal(x, b) for x, b in zip(xs, before, strict=True))  # inputs untouched
     covered = sorted(rng for s in shards for rng in s.ranges)
     assert covered[0][0] == 0 and covered[-1][1] == 999
     assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
