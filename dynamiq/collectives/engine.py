@@ -142,7 +142,7 @@ class RunConfig:
     :func:`run_schedule` of the same name).
 
     ``overlap``: let rounds overlap (receives posted a round ahead, the next round's sends
-    started as their inputs are final); ``None``: on the CPU only. Either way the same
+    to the same peer started as their inputs are final); ``None``: on the CPU only. Either way the same
     messages go out in the same order with the same bytes.
     """
 
@@ -485,8 +485,9 @@ class ScheduleRun:
     def run_round(self, k: int) -> None:
         """Round ``k``: receives posted, sends issued, arrivals processed as they come.
 
-        With ``overlap``, the next round's receives are posted one round ahead and a piece
-        the next round sends goes out as soon as this round has finished it (gloo moves
+        With ``overlap``, the next round's receives are posted one round ahead and, where
+        it goes to the same peer (:meth:`_send_ahead`), a piece the next round sends goes
+        out as soon as this round has finished it (gloo moves
         nothing until the receive is posted, and a round's last piece would otherwise hold
         up its first). Every message still goes out in the order of the lock-step schedule,
         computed from the same values. Payloads of data-dependent size keep rounds in
@@ -501,7 +502,7 @@ class ScheduleRun:
         self.issue_sends(sends, 1 << 62, {})  # everything left: its inputs are all final now
         for sop in self.plan[k].sends:
             self.state[sop.chunk] = sends.new[sop.chunk]
-        nxt = self._plan_sends(k + 1, incoming) if ahead else None
+        nxt = self._plan_sends(k + 1, incoming) if self._send_ahead(k) else None
         # 3. receive and process, sub-chunk by sub-chunk; start the next round's sends
         fresh: dict[int, _State] = {}
         if nxt is not None:
@@ -829,6 +830,16 @@ class ScheduleRun:
     def _wanted(self, chunk: int) -> bool:
         outputs = self.config.outputs
         return outputs is None or chunk in outputs
+
+    def _send_ahead(self, k: int) -> bool:
+        """Whether round ``k + 1``'s sends may start during round ``k``: only on round
+        ``k``'s own connection (a ring's every round, butterfly's rounds with one partner).
+        Early bytes to another peer share this rank's link with round ``k``'s, which every
+        partner waits for: measured on the emulated cluster, that made butterfly 5-18 %
+        slower (docs/benchmarks.md, "Sending ahead only on the same connection")."""
+        if not (self.overlap and k + 1 < len(self.plan)):
+            return False
+        return self.plan[k + 1].send_to == self.plan[k].send_to
 
     def _fixed_size(self, k: int) -> bool:
         got = self._fixed.get(k)

@@ -15,7 +15,7 @@ The time is a small discrete-event simulation of exactly that work, in the engin
 transfers that hold the sender's uplink and the receiver's downlink (:class:`~dynamiq.plan.
 costs.Link`) and start no earlier than the receive is posted (plus α for the notice). On the
 CPU rounds overlap as the engine does it: the next round's receives are posted a round ahead
-and a piece it sends goes out as soon as this round has finished its input; finished chunks
+and a piece it sends to the same peer goes out as soon as this round has finished its input; finished chunks
 are decoded one piece before each wait. On CUDA (``Host.lookahead=False``) rounds are
 lock-step. With ``Host.cores`` the ranks' CPU steps share that many cores (a step starts when
 one is free: the ``cores`` phase), and every CPU step also costs ``Host.step_overhead``. An
@@ -364,7 +364,9 @@ class _Rank:
             if sop.encode:
                 self.encoded[sop.chunk] = True
                 self.decode_cost[sop.chunk] = sim.cost_of(sop.codec)
-        nxt = self.send_items(k + 1, incoming) if ahead else None
+        # (as the engine: early sends only on this round's connection, ScheduleRun._send_ahead)
+        early = ahead and self.rp[k + 1].send_to == rnd.send_to
+        nxt = self.send_items(k + 1, incoming) if early else None
         npos = 0
         if nxt is not None:
             npos = yield from self.issue(k + 1, nxt, 0, -1)
