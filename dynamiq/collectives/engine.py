@@ -142,8 +142,8 @@ class RunConfig:
     :func:`run_schedule` of the same name).
 
     ``overlap``: let rounds overlap (receives posted a round ahead, the next round's sends
-    to the same peer started as their inputs are final); ``None``: on the CPU only. Either way the same
-    messages go out in the same order with the same bytes.
+    to the same peer started as their inputs are final); ``None``: on the CPU only. Either
+    way the same messages go out in the same order with the same bytes.
     """
 
     seed: int = 0

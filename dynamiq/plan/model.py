@@ -15,11 +15,11 @@ The time is a small discrete-event simulation of exactly that work, in the engin
 transfers that hold the sender's uplink and the receiver's downlink (:class:`~dynamiq.plan.
 costs.Link`) and start no earlier than the receive is posted (plus α for the notice). On the
 CPU rounds overlap as the engine does it: the next round's receives are posted a round ahead
-and a piece it sends to the same peer goes out as soon as this round has finished its input; finished chunks
-are decoded one piece before each wait. On CUDA (``Host.lookahead=False``) rounds are
-lock-step. With ``Host.cores`` the ranks' CPU steps share that many cores (a step starts when
-one is free: the ``cores`` phase), and every CPU step also costs ``Host.step_overhead``. An
-all-reduce lasts until its slowest rank is done.
+and a piece it sends to the same peer goes out as soon as this round has finished its input;
+finished chunks are decoded one piece before each wait. On CUDA (``Host.lookahead=False``)
+rounds are lock-step. With ``Host.cores`` the ranks' CPU steps share that many cores (a
+step starts when one is free: the ``cores`` phase), and every CPU step also costs
+``Host.step_overhead``. An all-reduce lasts until its slowest rank is done.
 """
 
 from __future__ import annotations
