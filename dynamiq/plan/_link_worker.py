@@ -11,7 +11,8 @@ inside the rank's namespace of an emulated cluster; not a public entry point).
   ``[send_to, recv_from, nbytes, pieces]`` (``-1``: none) that run at once; a round posts its
   receives, sends its pieces back to back (the transfers' pieces interleaved), and waits for
   all of them; all ranks start together after a barrier. Reported: each repeat's seconds
-  (this rank) and the seconds spent inside ``isend`` calls.
+  (this rank), the seconds spent inside ``isend`` calls, and the process's CPU seconds (its
+  threads and the system calls that move the bytes).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def _pingpong(rank: int, iters: int, nbytes: int) -> list[float]:
     return rtts[5:]
 
 
-def _pattern(rank: int, rounds: list[list[list[int]]]) -> tuple[float, float]:
-    """Run this rank's rounds once; (seconds, seconds inside isend)."""
+def _pattern(rank: int, rounds: list[list[list[int]]]) -> tuple[float, float, float]:
+    """Run this rank's rounds once; (seconds, seconds inside isend, process CPU seconds)."""
     plan = []
     for transfers in rounds:
         sends: list[tuple[int, int, torch.Tensor]] = []  # (piece index, peer, buffer)
@@ -61,7 +62,7 @@ def _pattern(rank: int, rounds: list[list[list[int]]]) -> tuple[float, float]:
         plan.append((sends, recvs))
     dist.barrier()
     in_send = 0.0
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for sends, recvs in plan:
         works = [w for src, b in recvs if (w := dist.irecv(b, src)) is not None]
         for _, dst, b in sends:
@@ -72,7 +73,7 @@ def _pattern(rank: int, rounds: list[list[list[int]]]) -> tuple[float, float]:
             in_send += time.perf_counter() - t
         for w in works:
             w.wait()
-    return time.perf_counter() - t0, in_send
+    return time.perf_counter() - t0, in_send, time.process_time() - c0
 
 
 def join(argv: list[str] | None, description: str) -> tuple[argparse.Namespace, dict[str, Any]]:
@@ -118,12 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, per_rank in spec["patterns"].items():
         rounds = per_rank[args.rank]
         _pattern(args.rank, rounds)  # warm-up: the connections exist, TCP has ramped once
-        times, sends = [], []
+        times, sends, cpus = [], [], []
         for _ in range(int(spec["repeats"])):
-            t, s = _pattern(args.rank, rounds)
+            t, s, c = _pattern(args.rank, rounds)
             times.append(t)
             sends.append(s)
-        result["patterns"][name] = {"seconds": times, "isend_seconds": sends}
+            cpus.append(c)
+        result["patterns"][name] = {"seconds": times, "isend_seconds": sends, "cpu_seconds": cpus}
     return finish(args, result)
 
 

@@ -75,6 +75,7 @@ def _inter_link(
             link.source,
             float(calib.get("two_streams_efficiency") or link.efficiency),
             calib.get("exchange_efficiency"),
+            float(calib.get("extra_cpu_per_byte_s") or 0.0),
         )
     else:
         link = named_link(profile)
@@ -90,6 +91,7 @@ def _inter_link(
             link.source + ", overridden",
             link.shared_efficiency if efficiency is None else efficiency,
             link.exchange_efficiency if efficiency is None else efficiency,
+            link.cpu_per_byte_s,
         )
     return link, calib
 
@@ -269,7 +271,9 @@ def _shared_cores(
     """One prediction with a host table: the ranks' CPU steps share the machine's cores (each
     kernel at its cost alone), every step also costs the engine's own work around it (the
     host table's CPU per rank beyond the kernels', spread over the rank's steps), and the
-    result is at least the table's floor (:func:`~dynamiq.plan.calibrate.host_floor`)."""
+    result is at least the table's floor (:func:`~dynamiq.plan.calibrate.host_floor`). The
+    links' own CPU beyond loopback's (``Link.cpu_per_byte_s`` × the bytes a rank sends and
+    receives) counts in both: the table was measured on loopback."""
     cores = int(hosts["cores"])
     alone = table.alone(cores)
     pool = replace(host, cpu_slowdown=1.0, cores=cores, add=alone.add, step_overhead=0.0)
@@ -277,12 +281,14 @@ def _shared_cores(
     first = simulate(c, s, cluster, numel, alone.get(c), pool, **kw)
     cpu = host_cpu(hosts, str(c), s.name, numel)
     assert cpu is not None
-    extra = max(0.0, cpu - first.cpu_seconds_per_rank) / max(1.0, first.cpu_steps_per_rank)
+    sock = cluster.inter.cpu_per_byte_s * 2 * first.bytes_sent_per_rank
+    extra = max(0.0, cpu + sock - first.cpu_seconds_per_rank) / max(1.0, first.cpu_steps_per_rank)
     pool = replace(pool, step_overhead=extra)
     res = simulate(c, s, cluster, numel, alone.get(c), pool, **kw).as_dict()
-    floor = host_floor(hosts, str(c), s.name, numel)
+    floor = host_floor(hosts, str(c), s.name, numel, extra_cpu=sock)
     assert floor is not None
     res["cpu_floor_s"], res["schedule_s"], res["step_overhead_s"] = floor, res["seconds"], extra
+    res["link_cpu_s"] = sock
     res["bound"] = "cpu" if floor > res["seconds"] else "schedule"
     res["seconds"] = max(floor, res["seconds"])
     return res

@@ -12,7 +12,9 @@
   stream from every rank to the next (all links busy at once; goodput ÷ rate is the link's
   efficiency, the time inside ``isend`` per byte the host's send cost), and two exchanges of
   the same bytes in halving/doubling rounds, one with a fixed partner and one whose partner
-  changes every round, which says what changing partners costs on these links.
+  changes every round, which says what changing partners costs on these links; the stream's
+  process CPU per byte moved, there and on loopback (the kernel's work on the shaped links
+  beyond what a host table measured on loopback holds).
 
 * :func:`calibrate_host`: the CPU one all-reduce costs the ranks of this machine when the
   network costs next to nothing (gloo on loopback, no shaping): each codec × schedule at two
@@ -367,18 +369,49 @@ def calibrate_network(
             per_rank = _run_ranks(cl, spec, tmp)
             shaping = dict(cl.shaping)
         out["rates"][rate] = _summarise_links(per_rank, spec, size, bps, shaping)
+        out["rates"][rate].update(_socket_cpu(per_rank, ranks, size, repeats))
         if progress:
             s = out["rates"][rate]
             print(
                 f"{rate}: latency {s['latency_s'] * 1e6:.0f} us, efficiency "
                 f"{s['efficiency']:.3f}, send {s['send_per_byte_s'] * 1e9:.2f} ns/byte, "
                 f"switch/fixed {s['switch_over_fixed']:.3f}, two streams "
-                f"{s['two_streams_efficiency']:.3f}",
+                f"{s['two_streams_efficiency']:.3f}, CPU beyond loopback "
+                f"{s['extra_cpu_per_byte_s'] * 1e9:.2f} ns/byte",
                 file=sys.stderr,
                 flush=True,
             )
     out["load_after"] = list(os.getloadavg())
     return out
+
+
+def _socket_cpu(
+    shaped: list[dict[str, Any]], ranks: int, size: int, repeats: int
+) -> dict[str, float]:
+    """The CPU a rank spends per byte it moves (sends plus receives) in the stream
+    pattern on the shaped links and on loopback (the same pattern, unshaped), and what the
+    links cost beyond loopback: the kernel's network work on veth, bridge and qdisc, which a
+    host table (measured on loopback) does not hold."""
+    spec = {
+        "pingpong_iters": 5,
+        "pingpong_bytes": 8,
+        "repeats": repeats,
+        "patterns": {"stream": link_patterns(ranks, size, 1 << 20)["stream"]},
+        "timeout": 300,
+    }
+    with _Loopback(ranks) as cl, tempfile.TemporaryDirectory(prefix="dynamiq-net-") as tmp:
+        loop = _run_ranks(cl, spec, tmp, port=_free_port())
+
+    def per_byte(per_rank: list[dict[str, Any]]) -> float:
+        cpu = [statistics.median(pr["patterns"]["stream"]["cpu_seconds"]) for pr in per_rank]
+        return statistics.median(cpu) / (2 * size)
+
+    shaped_b, loop_b = per_byte(shaped), per_byte(loop)
+    return {
+        "cpu_per_byte_s": shaped_b,
+        "loopback_cpu_per_byte_s": loop_b,
+        "extra_cpu_per_byte_s": max(0.0, shaped_b - loop_b),
+    }
 
 
 def calibrate_host(
@@ -443,21 +476,26 @@ def host_cpu(table: dict[str, Any], codec: str, schedule: str, numel: int) -> fl
     return max(0.0, float(row["overhead"]) + float(row["per_value"]) * numel)
 
 
-def host_floor(table: dict[str, Any], codec: str, schedule: str, numel: int) -> float | None:
+def host_floor(
+    table: dict[str, Any], codec: str, schedule: str, numel: int, extra_cpu: float = 0.0
+) -> float | None:
     """The least time ``codec`` × ``schedule`` needs at ``numel`` values on this host, from a
     :func:`calibrate_host` table: the larger of ``ranks × cpu / cores`` (the CPU per rank on
     the line through its sizes: the cores cannot do the work faster) and the all-reduce's own
     time on loopback (the line through its wall times: with links that cost next to nothing,
-    what the host's scheduling of that work takes). ``None`` where the table has no such
-    row."""
+    what the host's scheduling of that work takes). ``extra_cpu``: CPU seconds per rank the
+    target links cost beyond loopback, added to both (on the cores, ``ranks × extra / cores``
+    more). ``None`` where the table has no such row."""
     row = table.get("codecs", {}).get(codec, {}).get(schedule)
     cpu = host_cpu(table, codec, schedule, numel)
     if row is None or cpu is None:
         return None
-    floor = int(table["ranks"]) * cpu / max(1, int(table["cores"]))
+    share = int(table["ranks"]) / max(1, int(table["cores"]))
+    floor = share * (cpu + extra_cpu)
     if row.get("wall_s"):  # the line through the loopback wall times
         line = _line({int(k): v for k, v in row["wall_s"].items()})
-        floor = max(floor, float(line["overhead"]) + float(line["per_value"]) * numel)
+        wall = float(line["overhead"]) + float(line["per_value"]) * numel
+        floor = max(floor, wall + share * extra_cpu)
     return floor
 
 

@@ -64,6 +64,9 @@ class Link:
     shared_efficiency: float | None = None
     #: goodput ÷ rate of each direction while two ranks exchange (None: ``efficiency``)
     exchange_efficiency: float | None = None
+    #: CPU seconds a rank spends per byte it sends or receives on this link beyond what
+    #: loopback costs (the kernel's network work; the emulated cluster's calibration)
+    cpu_per_byte_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.rate_bps > 0 and math.isfinite(self.rate_bps)):
@@ -73,6 +76,8 @@ class Link:
         for e in (self.efficiency, self.shared_efficiency or 1.0, self.exchange_efficiency or 1.0):
             if not 0 < e <= 1:
                 raise ValueError(f"link efficiency must be in (0, 1] (got {e})")
+        if not (self.cpu_per_byte_s >= 0 and math.isfinite(self.cpu_per_byte_s)):
+            raise ValueError(f"link CPU per byte must be >= 0 s (got {self.cpu_per_byte_s})")
 
     @property
     def bytes_per_s(self) -> float:

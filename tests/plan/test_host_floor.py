@@ -12,7 +12,7 @@ import pytest
 
 from dynamiq.bench.cli import main
 from dynamiq.plan.api import predict
-from dynamiq.plan.calibrate import calibrate_host, host_floor
+from dynamiq.plan.calibrate import _socket_cpu, calibrate_host, host_floor
 from dynamiq.plan.costs import CodecCost, Cost, Host, Link
 from dynamiq.plan.model import Cluster, simulate
 
@@ -49,6 +49,50 @@ def test_floor_is_the_larger_of_cpu_over_cores_and_the_loopback_time() -> None:
     assert host_floor(t, "mxfp4", "ring", 10**6) == pytest.approx(4 * 0.02 / 2)
     assert host_floor(t, "mxfp4", "butterfly", 10**6) is None
     assert host_floor(t, "int8", "ring", 10**6) is None
+
+
+def test_the_links_cpu_beyond_loopback_adds_to_both_floors() -> None:
+    t = _table(1e-8)  # cpu per rank 0.02 s at 1e6 values; 4 ranks on 2 cores
+    assert host_floor(t, "mxfp4", "ring", 10**6, extra_cpu=0.005) == pytest.approx(2 * 0.025)
+    t["codecs"]["mxfp4"]["ring"]["wall_s"] = {"1000000": 0.05, "2000000": 0.09}
+    # the loopback time plus the extra CPU on the cores: 0.05 + 2 * 0.005
+    assert host_floor(t, "mxfp4", "ring", 10**6, extra_cpu=0.005) == pytest.approx(0.06)
+    assert host_floor(t, "mxfp4", "ring", 10**6) == pytest.approx(0.05)
+
+
+def test_predict_counts_the_links_cpu_per_byte(tmp_path: Path) -> None:
+    net = {
+        "kind": "dynamiq-plan-network",
+        "ranks": 4,
+        "rates": {
+            "1gbit": {
+                "rate_bps": 1e9,
+                "latency_s": 1e-4,
+                "efficiency": 0.9,
+                "send_per_byte_s": 0.0,
+                "extra_cpu_per_byte_s": 2e-9,
+            }
+        },
+    }
+    npath = tmp_path / "net.json"
+    npath.write_text(json.dumps(net))
+    numel = 64 * 2**20 // 4
+    t = _table(1e-8)
+    t["codecs"]["mxfp4"]["ring"]["wall_s"] = {str(numel // 4): 0.1, str(numel): 0.4}
+    kw: dict[str, Any] = {"size_mib": 64, "rate": "1gbit", "host_table": _write(tmp_path, t)}
+    with_cpu = predict(4, ["mxfp4"], ["ring"], network_table=str(npath), **kw)["results"][0]
+    net["rates"]["1gbit"]["extra_cpu_per_byte_s"] = 0.0
+    npath.write_text(json.dumps(net))
+    without = predict(4, ["mxfp4"], ["ring"], network_table=str(npath), **kw)["results"][0]
+    sent = with_cpu["bytes_sent_per_rank"]
+    assert with_cpu["link_cpu_s"] == pytest.approx(2e-9 * 2 * sent)  # sent and received
+    assert without["link_cpu_s"] == 0.0
+    # 4 ranks on 2 cores: the loopback line's 0.4 s plus twice the links' CPU per rank
+    assert with_cpu["cpu_floor_s"] == pytest.approx(0.4 + 2 * with_cpu["link_cpu_s"])
+    assert without["cpu_floor_s"] == pytest.approx(0.4)
+    assert with_cpu["step_overhead_s"] > without["step_overhead_s"]
+    with pytest.raises(ValueError, match="link CPU per byte must be >= 0"):
+        Link(1e9, cpu_per_byte_s=-1.0)
 
 
 def test_predict_takes_the_larger_of_floor_and_schedule(tmp_path: Path) -> None:
@@ -118,6 +162,21 @@ def test_calibrate_host_on_two_local_ranks() -> None:
         assert all(v > 0 for v in row["wall_s"].values())
         floor = host_floor(t, codec, "ring", 2**18)
         assert floor is not None and floor > 0
+
+
+@pytest.mark.distributed
+def test_the_links_cpu_is_measured_against_the_same_stream_on_loopback() -> None:
+    size = 1 << 22
+    shaped = [{"patterns": {"stream": {"cpu_seconds": [0.5]}}} for _ in range(2)]
+    got = _socket_cpu(shaped, 2, size, repeats=1)
+    assert got["cpu_per_byte_s"] == pytest.approx(0.5 / (2 * size))
+    # two real ranks on loopback moved the same bytes: some CPU, far less than 60 ns a byte
+    assert 0 < got["loopback_cpu_per_byte_s"] < got["cpu_per_byte_s"]
+    assert got["extra_cpu_per_byte_s"] == pytest.approx(
+        got["cpu_per_byte_s"] - got["loopback_cpu_per_byte_s"]
+    )
+    cheap = [{"patterns": {"stream": {"cpu_seconds": [0.0]}}} for _ in range(2)]
+    assert _socket_cpu(cheap, 2, size, repeats=1)["extra_cpu_per_byte_s"] == 0.0
 
 
 # -- the ranks' CPU steps on shared cores ---------------------------------------------------
