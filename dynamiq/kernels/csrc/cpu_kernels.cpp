@@ -1037,6 +1037,6 @@ int64_t dq_blk_args_layout(int64_t* out, int64_t cap) {
 // The layout version of the argument structures (dq_int_args, dq_mx_args, dq_blk_args and
 // dynamiq_kernels.cpp's dq_dyn_args) and of the functions' signatures, checked when the
 // library loads.
-int dq_abi_version(void) { return 7; }
+int dq_abi_version(void) { return 8; }
 
 }  // extern "C"
