@@ -483,6 +483,9 @@ class Pool:
     #: (:func:`chunk_bytes`) and its kernel arguments (:func:`chunk_kernel_ptrs`)
     sizes: dict[tuple[int, float, int, int], int] = field(default_factory=dict)
     ptrs: dict[tuple[int, float, int, int], tuple[int, int, int]] = field(default_factory=dict)
+    #: what a kernel memoizes per call of its own (keyed on values and on objects it holds:
+    #: ``dynamiq/kernels/cpu_native.py``); it lives as long as this result
+    kernel_memo: dict[Any, Any] = field(default_factory=dict)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Pool):
@@ -712,6 +715,12 @@ def _every_span(codec: DynamiqCodec, pool: Pool, bits: float) -> tuple[torch.Ten
         got = (budgets * 8).contiguous(), (torch.cumsum(sizes, 0) - sizes).contiguous()
         pool.kernel_args[bits] = got
     return got
+
+
+def kernel_memo(shared: Any) -> dict[Any, Any] | None:
+    """The pool's :attr:`Pool.kernel_memo`, or ``None`` when ``shared`` holds no pool."""
+    pool = _pool_of(shared)
+    return None if pool is None else pool.kernel_memo
 
 
 def _pool_of(shared: Any) -> Pool | None:

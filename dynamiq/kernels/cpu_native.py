@@ -635,6 +635,8 @@ _TEMPLATES: dict[str, tuple[Callable[[Any], ctypes.Structure], str]] = {
     "block": (_block_template, "dq_blk_run"),
     "passthrough": (_pt_template, "dq_pt_run"),
 }
+#: the most argument structures a memo of DynamiQ's keeps (:meth:`_Native._dyn_filled`)
+_MAX_MEMO = 1024
 #: the names :func:`record_launch` counts (``cpu_<name>_<op>``)
 _LAUNCH_NAME = {"intq": "int"}
 
@@ -660,6 +662,9 @@ class _Native:
         #: full and of the short last span per (hop, num_hops, last span's length)
         self.tables = _dynamiq_tables(codec) if family == "dynamiq" else None
         self.budgets: dict[tuple[int, int, int], tuple[int, int]] = {}
+        #: DynamiQ: filled argument structures that depend on no prologue result
+        #: (:meth:`_dyn_filled`)
+        self.memo: dict[Any, Any] = {}
 
     def encode(self, codec: Any, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         if self.check_range is not None:
@@ -710,15 +715,14 @@ class _Native:
         incoming one's, ``ptrs`` the addresses of ``x``, ``inp``, ``out`` and ``out_values``
         (``None``: unused), ``g_exp`` a block format's outgoing tensor-scale exponent."""
         ctx, in_ctx = ctxs
-        args: Any = type(self.template).from_buffer_copy(self.template)
+        filled = self._dyn_filled(codec, n, ctx, in_ctx) if self.family == "dynamiq" else None
+        args: Any = type(self.template).from_buffer_copy(filled or self.template)
         args.op = _OP[op]
         args.in_kind = in_kind
         args.x, args.inp, args.out, args.out_values = ptrs
         args.n = n
         args.nthreads = _threads(n)
-        if self.family == "dynamiq":
-            self._dyn_fields(codec, args, n, ctx, in_ctx)
-        elif self.family == "intq":
+        if self.family == "intq":
             self._int_fields(args, ctx)
         elif self.family == "block":
             args.header = codec.header_nbytes(n)
@@ -735,6 +739,36 @@ class _Native:
 
             args.key0, args.key1 = hash_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank)
         args.offset = ctx.offset
+
+    def _dyn_filled(
+        self, codec: Any, n: int, ctx: HopContext, in_ctx: HopContext
+    ) -> ctypes.Structure:
+        """DynamiQ's template with its per-call fields filled (:meth:`_dyn_fields`), memoized
+        per ``n`` and the values of the two contexts' fields that it reads: here when
+        neither context holds a prologue result the fields depend on, in that result's own
+        memo when both hold the same one (the entry holds this object: its key's identity
+        stays its own), not at all when they hold different ones."""
+        memo = codec._kernel_memo(ctx)
+        two = in_ctx is not ctx and in_ctx.shared is not ctx.shared
+        if two and (memo is not None or codec._kernel_memo(in_ctx) is not None):
+            return self._dyn_new(codec, n, ctx, in_ctx)
+        if memo is None:
+            memo = self.memo
+        key = (
+            self, n, ctx.seed, ctx.step, ctx.hop, ctx.num_hops, ctx.rank, ctx.offset,
+            in_ctx.hop, in_ctx.num_hops, in_ctx.offset,
+        )  # fmt: skip
+        got = memo.get(key)
+        if got is None:
+            if len(memo) >= _MAX_MEMO:
+                memo.clear()
+            got = memo[key] = self._dyn_new(codec, n, ctx, in_ctx)
+        return got
+
+    def _dyn_new(self, codec: Any, n: int, ctx: HopContext, in_ctx: HopContext) -> Any:
+        args = type(self.template).from_buffer_copy(self.template)
+        self._dyn_fields(codec, args, n, ctx, in_ctx)
+        return args
 
     def _dyn_fields(
         self, codec: Any, args: Any, n: int, ctx: HopContext, in_ctx: HopContext

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import gc
 import itertools
 import math
 
@@ -202,6 +203,29 @@ def test_native_kernels_bit_exact_with_pooled_budgets(config: dict) -> None:
         assert torch.equal(d_ref.view(torch.int32), d_cpu.view(torch.int32)), (a, b)
         r_ref = kernels.reduce(codec, ref, ya, sub, sub_out, backend="reference")
         assert torch.equal(r_ref, kernels.reduce(codec, ref, ya, sub, sub_out, backend="cpu"))
+
+
+def test_native_arguments_memoized_per_prologue_result() -> None:
+    """The native kernel memoizes its filled arguments in the prologue's result (keyed on
+    the hop context's values): a new result with other budgets at the same context values,
+    made after the last one died (its memory, and maybe its address, reused), gets its own
+    budgets, not the dead one's; a context holding no result gets the uniform budgets."""
+    codec = DynamiqCodec()
+    n = 256 * 12 + 40
+    for seed in range(3):
+        xs = [grads(n, 10 * seed + s) * 4.0**seed for s in range(2)]
+        if seed == 1:
+            xs[0][: 256 * 6] *= 1e-6  # other demand: other budgets
+        shared = prologue(codec, xs, [(0, 256 * 6), (256 * 6, n)])[0]
+        for ctx in (HopContext(shared=shared, offset=256 * 6), HopContext(offset=256 * 6)):
+            x = xs[0][256 * 6 :].contiguous()
+            ref = kernels.encode(codec, x, ctx, backend="reference")
+            assert torch.equal(ref, kernels.encode(codec, x, ctx, backend="cpu")), seed
+            d = kernels.decode(codec, ref, x.numel(), ctx, backend="cpu")
+            want = kernels.decode(codec, ref, x.numel(), ctx, backend="reference")
+            assert torch.equal(d.view(torch.int32), want.view(torch.int32)), seed
+        del shared, ctx
+        gc.collect()
 
 
 def test_cut_invariance_with_pooled_budgets() -> None:
