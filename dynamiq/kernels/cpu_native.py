@@ -74,6 +74,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dynamiq.codecs import _codes
+
 from . import _libcache, _settings
 from ._declared import declared_family
 from ._libcache import UnsafeCacheWarning
@@ -113,6 +115,8 @@ SOURCES = (
 )
 #: what they include
 HEADERS = (_CSRC / "common.h", _CSRC / "dynamiq_avx2.h")
+#: and the header of the shared codes the build generates (``dynamiq/codecs/_codes.py``)
+_CODES_H = "dq_codes.h"
 #: no -ffast-math (IEEE division, subnormals kept), no FMA contraction: bit-exactness
 FLAGS = (
     "-O3",
@@ -283,8 +287,8 @@ _DYN_HOP, _DYN_HOP_AT = _packer(_DynArgs, "budget_in_full", "num_hops_f32")
 
 _OP = {"encode": 0, "reduce": 1, "decode": 2}
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_SCALE_FMT = {"bf16": 0, "fp16": 1, "fp32": 2, "e8m0": 3}
-_SPECIALS = {"ieee": 0, "fn": 1, "none": 2, "int": 3}
+_SCALE_FMT = {name: f.code for name, f in _codes.SCALE_FORMATS.items()}
+_SPECIALS = _codes.SPECIALS
 _ROUNDING = {"nearest": 0, "stochastic": 1, "correlated": 2}
 
 # -- switch -----------------------------------------------------------------------------------
@@ -367,6 +371,7 @@ def library_path(compiler: str | None = None) -> Path:
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
+    h.update(_CODES_H.encode() + b"\0" + _codes.c_header().encode())
     flags, link = _flags()
     for part in (*flags, *link, "-march=native", str(compiler or _compiler()), _cpu_identity()):
         h.update(b"\0" + part.encode())
@@ -377,6 +382,12 @@ def _build(cxx: str, dest: Path) -> None:
     """Compile the library to ``dest`` and record its SHA-256 beside it, atomically:
     temporary files in the cache directory renamed into place, the library first (the
     caller, ``_libcache.load``, holds the cache's build lock)."""
+    with tempfile.TemporaryDirectory(dir=dest.parent) as include:
+        (Path(include) / _CODES_H).write_text(_codes.c_header(), encoding="utf-8")
+        _compile(cxx, dest, ("-I", include))
+
+
+def _compile(cxx: str, dest: Path, include: tuple[str, ...]) -> None:
     errors = []
     # -march=native where the compiler knows it; a portable build otherwise
     for arch in (("-march=native",), ()):
@@ -384,7 +395,7 @@ def _build(cxx: str, dest: Path) -> None:
         os.close(fd)
         digest: Path | None = None
         flags, link = _flags()
-        cmd = [cxx, *flags, *arch, "-o", tmp, *map(str, SOURCES), *link]
+        cmd = [cxx, *flags, *arch, *include, "-o", tmp, *map(str, SOURCES), *link]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
             if proc.returncode == 0:
@@ -453,7 +464,24 @@ def _open() -> ctypes.CDLL:
     ]  # fmt: skip
     lib.dq_dyn_group_absmax.restype = ctypes.c_int
     _check_layouts(lib, path)
+    _check_codes(lib, path)
     return lib
+
+
+def _check_codes(lib: ctypes.CDLL, path: Path) -> None:
+    """Raise ``RuntimeError`` unless the library was compiled with the codes of
+    :mod:`dynamiq.codecs._codes` (``dq_codes``: a library built from another table, or C++ code
+    naming a scale format or specials the table lacks, or lacking one it has)."""
+    buf = (ctypes.c_int64 * 256)()
+    lib.dq_codes.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    lib.dq_codes.restype = ctypes.c_int64
+    got = list(buf[: lib.dq_codes(buf, len(buf))])
+    want = _codes.reported()
+    if got != want:
+        raise RuntimeError(
+            f"{path}: compiled with the scale-format and specials codes {got}, not those of "
+            f"dynamiq/codecs/_codes.py ({want})"
+        )
 
 
 #: the C structures whose layout the library reports (``DQ_LAYOUT`` in ``csrc/common.h``) and
