@@ -487,6 +487,10 @@ class Pool:
     #: ``dynamiq/kernels/cpu_native.py``); it lives as long as this result
     kernel_memo: dict[Any, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        #: each region's first value (:func:`_first_span` bisects them)
+        self.starts = [a for a, _ in self.regions]
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Pool):
             return NotImplemented
@@ -735,12 +739,11 @@ def _first_span(codec: DynamiqCodec, pool: Pool, numel: int, offset: int) -> int
     must be whole spans of one region (or end it), else ``ValueError``."""
     span, regions = codec.span, pool.regions
     end = offset + numel
-    starts = [a for a, _ in regions]
-    r0 = bisect.bisect_right(starts, offset) - 1
-    r1 = bisect.bisect_right(starts, end - 1) - 1
-    inner = [regions[r][1] - offset for r in range(max(r0, 0), max(r1, 0))]
+    r0 = bisect.bisect_right(pool.starts, offset) - 1
+    r1 = bisect.bisect_right(pool.starts, end - 1) - 1
     ok = r0 >= 0 and end <= pool.numel and (offset - regions[r0][0]) % span == 0
-    ok = ok and all(d % span == 0 for d in inner)  # the regions crossed end on spans
+    # the regions crossed end on spans
+    ok = ok and all((regions[r][1] - offset) % span == 0 for r in range(max(r0, 0), max(r1, 0)))
     if not ok or (numel % span and end != regions[r1][1]):
         raise ValueError(
             f"dynamiq: values {offset}..{end} are not whole spans of {span} of the pooling "
