@@ -48,9 +48,14 @@ at least :data:`MIN_NUMEL` values (unless ``DYNAMIQ_CPU_KERNELS=0``, :func:`set_
 forces them (an error if they cannot run); ``backend="reference"`` is the plain reference.
 Which codecs: those whose class declares a family with an entry point here
 (``kernel_family``: :mod:`dynamiq.kernels._declared`). Per codec configuration the argument
-structure is filled once (:class:`_Native`); a call copies it and sets the buffers, the
-length and the thread count, and takes arguments the dispatcher validated already (the
+structure is filled once (:class:`_Native`; DynamiQ's per-call fields once per call
+signature, memoized: :meth:`_Native._dyn_filled`); a call copies it and sets the buffers,
+the length and the thread count, and takes arguments the dispatcher validated already (the
 module's own :func:`encode`, :func:`decode` and :func:`reduce` check theirs).
+
+**Shared with csrc/, checked at load**: each argument structure's size and field offsets
+(``_LAYOUTS``), and the scale-format and specials codes of :mod:`dynamiq.codecs._codes`,
+from which the build generates ``dq_codes.h`` (``_check_codes``).
 """
 
 from __future__ import annotations
