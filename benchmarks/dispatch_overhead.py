@@ -23,6 +23,10 @@ listed with their ``public`` time only (their reference).
 
     python benchmarks/dispatch_overhead.py [--numel 4096] [--calls 2000] [--json]
     python benchmarks/dispatch_overhead.py --library
+    python benchmarks/dispatch_overhead.py --fresh [--calls 2000]
+
+``--fresh`` times ``dynamiq`` at a new chunk of a pooled buffer each call (see :func:`fresh`):
+what the engine pays, where no per-call memo is warm.
 """
 
 from __future__ import annotations
@@ -180,6 +184,50 @@ def library_probe(n: int, calls: int) -> dict[str, float]:
     }
 
 
+def fresh(n: int, calls: int) -> dict[str, float]:
+    """``dynamiq`` as the engine calls it: ``calls`` chunks of ``n`` values of one buffer
+    pooled by one prologue, each call at the next chunk's offset (nothing memoized per call
+    helps), ``backend="cpu"``; the median µs a call of encode, decode and reduce, each under
+    its own prologue result (equal, not the same object: the payloads were made under
+    another)."""
+    import dataclasses
+
+    import torch
+
+    import dynamiq.kernels as K
+    from dynamiq.codecs import get_codec
+
+    codec = get_codec("dynamiq")
+    total = n * calls
+    x = torch.randn(total, generator=torch.Generator().manual_seed(0))
+    local = torch.randn(total, generator=torch.Generator().manual_seed(1))
+
+    def contexts() -> list[Any]:
+        ctx = _context(codec, x, local)
+        return [dataclasses.replace(ctx, offset=i * n) for i in range(calls)]
+
+    xs = [x[i * n : (i + 1) * n] for i in range(calls)]
+    ls = [local[i * n : (i + 1) * n] for i in range(calls)]
+    made = contexts()
+    payloads = [codec.encode(xi, c) for xi, c in zip(xs, made, strict=True)]
+    ops = {
+        "encode": lambda i, c: K.encode(codec, xs[i], c, backend="cpu"),
+        "decode": lambda i, c: K.decode(codec, payloads[i], n, c, backend="cpu"),
+        "reduce": lambda i, c: K.reduce(codec, payloads[i], ls[i], c, c, backend="cpu"),
+    }
+    out = {}
+    clock = time.perf_counter_ns
+    for op, call in ops.items():
+        ctxs = contexts()
+        samples = []
+        for i, c in enumerate(ctxs):
+            t0 = clock()
+            call(i, c)
+            samples.append(clock() - t0)
+        out[f"{op}_us"] = statistics.median(samples) / 1e3
+    return out
+
+
 def _fmt(v: float | None) -> str:
     return "-" if v is None else f"{v:.1f}"
 
@@ -193,8 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--library", action="store_true", help="only the torch.library probe (int8 encode)"
     )
+    parser.add_argument(
+        "--fresh", action="store_true", help="only dynamiq, each call at a new chunk (fresh)"
+    )
     args = parser.parse_args(argv)
     import torch
+
+    if args.fresh:
+        torch.set_num_threads(1)
+        print(json.dumps(fresh(args.numel, args.calls), indent=1))
+        return 0
 
     if args.library:
         torch.set_num_threads(1)

@@ -54,7 +54,6 @@ def prologue_phases(x: torch.Tensor, ranks: int, iters: int) -> dict[str, float]
     """Milliseconds of each phase of rank 0's prologue on ``x`` (a ring of ``ranks``)."""
     from dynamiq.collectives import get_schedule
     from dynamiq.collectives.planning import chunk_layout, layout_align
-    from dynamiq.kernels import cpu_native
 
     dq = get_codec("dynamiq")
     n, sched = x.numel(), get_schedule("ring", ranks)
@@ -80,7 +79,7 @@ def prologue_phases(x: torch.Tensor, ranks: int, iters: int) -> dict[str, float]
         for piece in pieces:
             for a, b in piece:
                 ctx = HopContext(shared=sh, offset=a)
-                cpu_native._pooled_args(dq, b - a, ctx, ctx)
+                dq._pooled_kernel_ptrs(b - a, ctx)
 
     t_stats = _best(lambda: dq.prologue_statistics(x, 0, chunks), iters)
     t_result, t_budgets, t_args = (_best(f, iters) for f in (result, budgets, kernel_args))

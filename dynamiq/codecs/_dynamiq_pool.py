@@ -25,7 +25,7 @@ kernels (``dynamiq/kernels/csrc/dynamiq_pool.cpp``) give the same integers: the 
 passes (one over the values: group absmax, levels from :func:`level_table`, the level
 histogram; one over the group levels at the threshold found from the histogram here), and
 the integer sharing of :func:`_distribute`. The kernels' per-span budgets and payload offsets
-are memoized in the result (:func:`chunk_kernel_args`, :func:`chunk_bytes`).
+are memoized in the result (:func:`chunk_kernel_ptrs`, :func:`chunk_bytes`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ __all__ = [
     "chunk_budgets",
     "chunk_bytes",
     "chunk_kernel_args",
+    "chunk_kernel_ptrs",
     "gathered",
     "shared_from_statistics",
     "span_budgets",
@@ -478,6 +479,17 @@ class Pool:
     prefix: dict[float, list[int]] = field(default_factory=dict)
     #: per bits/value, every span's budget (bits) and start (:func:`chunk_kernel_args`)
     kernel_args: dict[float, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: per (span, bits/value, values, offset) of a chunk: its budgets' bytes
+    #: (:func:`chunk_bytes`) and its kernel arguments (:func:`chunk_kernel_ptrs`)
+    sizes: dict[tuple[int, float, int, int], int] = field(default_factory=dict)
+    ptrs: dict[tuple[int, float, int, int], tuple[int, int, int]] = field(default_factory=dict)
+    #: what a kernel memoizes per call of its own (keyed on values and on objects it holds:
+    #: ``dynamiq/kernels/cpu_native.py``); it lives as long as this result
+    kernel_memo: dict[Any, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        #: each region's first value (:func:`_first_span` bisects them)
+        self.starts = [a for a, _ in self.regions]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Pool):
@@ -618,15 +630,32 @@ def chunk_bytes(
     codec: DynamiqCodec, shared: Any, numel: int, offset: int, bits: float
 ) -> int | None:
     """``int(chunk_budgets(...).sum())`` (``None`` likewise), from prefix sums memoized in
-    the pool: what sizing a message costs, once per sub-chunk, without tensor work."""
+    the pool, and memoized there per chunk: what sizing a message costs, once per sub-chunk,
+    without tensor work."""
     pool = _pool_of(shared)
     if pool is None:
         return None
-    if numel == 0 and 0 <= offset <= pool.numel:
-        return 0
-    first = _first_span(codec, pool, numel, offset)
-    prefix = _prefix(codec, pool, bits)
-    return prefix[first + -(-numel // codec.span)] - prefix[first]
+    key = (codec.span, bits, numel, offset)
+    got = pool.sizes.get(key)
+    if got is None:
+        if numel == 0 and 0 <= offset <= pool.numel:
+            got = 0
+        else:
+            first = _first_span(codec, pool, numel, offset)
+            prefix = _prefix(codec, pool, bits)
+            got = prefix[first + -(-numel // codec.span)] - prefix[first]
+        _remember(pool.sizes, key, got)
+    return got
+
+
+#: the most chunks a pool memoizes per kind (an engine's sub-chunks are far fewer)
+_MAX_CHUNKS = 1 << 16
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+    if len(memo) >= _MAX_CHUNKS:
+        memo.clear()
+    memo[key] = value
 
 
 def _prefix(codec: DynamiqCodec, pool: Pool, bits: float) -> list[int]:
@@ -640,25 +669,62 @@ def _prefix(codec: DynamiqCodec, pool: Pool, bits: float) -> list[int]:
 def chunk_kernel_args(
     codec: DynamiqCodec, shared: Any, numel: int, offset: int, bits: float
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """What the native kernels take for the spans of ``numel`` values at global ``offset``:
-    each span's budget (bits; a view) and its payload's byte offset in the chunk's payload
-    (int64, contiguous, CPU); ``None`` as :func:`chunk_budgets`. From two tensors over every
-    span memoized in the pool per bits/value: the budgets in bits, and each span's start
-    were every span whole (its budget plus a whole span's header): every span of a chunk but
-    its last is whole, so only whole spans lie between two of its spans' starts."""
+    """The spans of ``numel`` values at global ``offset``: each span's budget (bits; a view)
+    and its payload's byte offset in the chunk's payload (int64, contiguous, CPU); ``None``
+    as :func:`chunk_budgets`. (The native kernels take :func:`chunk_kernel_ptrs` instead: the
+    same numbers without a tensor a call.)"""
     pool = _pool_of(shared)
     if pool is None:
         return None
     if numel == 0 and 0 <= offset <= pool.numel:
         return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
     first = _first_span(codec, pool, numel, offset)
+    budgets, starts = _every_span(codec, pool, bits)
+    end = first + -(-numel // codec.span)
+    return budgets[first:end], starts[first:end] - starts[first]
+
+
+def chunk_kernel_ptrs(
+    codec: DynamiqCodec, shared: Any, numel: int, offset: int, bits: float
+) -> tuple[int, int, int] | None:
+    """What ``dq_dyn_run`` takes for the spans of ``numel > 0`` values at global ``offset``
+    (``csrc/dynamiq_kernels.cpp``): the addresses of the first span's entries in two int64
+    tensors over every span of the buffer memoized in the pool per bits/value (the budgets in
+    bits; each span's start were every span whole: its budget plus a whole span's header),
+    and that first start, which the kernel subtracts (the start of a span in the chunk's
+    payload: every span of a chunk but its last is whole, so only whole spans lie between
+    two of its spans' starts). ``None`` as :func:`chunk_budgets`. The pool holds the tensors:
+    the addresses stay valid while the caller holds ``shared``."""
+    pool = _pool_of(shared)
+    if pool is None:
+        return None
+    key = (codec.span, bits, numel, offset)
+    got = pool.ptrs.get(key)
+    if got is None:
+        first = _first_span(codec, pool, numel, offset)
+        budgets, starts = _every_span(codec, pool, bits)
+        base = _prefix(codec, pool, bits)[first] + first * sum(codec._header_bytes(codec.span))
+        got = (budgets.data_ptr() + 8 * first, starts.data_ptr() + 8 * first, base)
+        _remember(pool.ptrs, key, got)
+    return got
+
+
+def _every_span(codec: DynamiqCodec, pool: Pool, bits: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every span's budget (bits) and start were every span whole (int64, contiguous; memoized
+    in ``pool`` per bits/value)."""
     got = pool.kernel_args.get(bits)
     if got is None:
         budgets = span_budgets(pool, bits, codec.balance)
         sizes = budgets + sum(codec._header_bytes(codec.span))
-        got = pool.kernel_args[bits] = (budgets * 8, torch.cumsum(sizes, 0) - sizes)
-    end = first + -(-numel // codec.span)
-    return got[0][first:end], got[1][first:end] - got[1][first]
+        got = (budgets * 8).contiguous(), (torch.cumsum(sizes, 0) - sizes).contiguous()
+        pool.kernel_args[bits] = got
+    return got
+
+
+def kernel_memo(shared: Any) -> dict[Any, Any] | None:
+    """The pool's :attr:`Pool.kernel_memo`, or ``None`` when ``shared`` holds no pool."""
+    pool = _pool_of(shared)
+    return None if pool is None else pool.kernel_memo
 
 
 def _pool_of(shared: Any) -> Pool | None:
@@ -673,12 +739,11 @@ def _first_span(codec: DynamiqCodec, pool: Pool, numel: int, offset: int) -> int
     must be whole spans of one region (or end it), else ``ValueError``."""
     span, regions = codec.span, pool.regions
     end = offset + numel
-    starts = [a for a, _ in regions]
-    r0 = bisect.bisect_right(starts, offset) - 1
-    r1 = bisect.bisect_right(starts, end - 1) - 1
-    inner = [regions[r][1] - offset for r in range(max(r0, 0), max(r1, 0))]
+    r0 = bisect.bisect_right(pool.starts, offset) - 1
+    r1 = bisect.bisect_right(pool.starts, end - 1) - 1
     ok = r0 >= 0 and end <= pool.numel and (offset - regions[r0][0]) % span == 0
-    ok = ok and all(d % span == 0 for d in inner)  # the regions crossed end on spans
+    # the regions crossed end on spans
+    ok = ok and all((regions[r][1] - offset) % span == 0 for r in range(max(r0, 0), max(r1, 0)))
     if not ok or (numel % span and end != regions[r1][1]):
         raise ValueError(
             f"dynamiq: values {offset}..{end} are not whole spans of {span} of the pooling "

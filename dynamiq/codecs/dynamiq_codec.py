@@ -420,6 +420,24 @@ class DynamiqCodec(Codec):
         assert ctx is not None
         return _pool.chunk_kernel_args(self, shared, numel, ctx.offset, self._bits_at(ctx))
 
+    def _pooled_kernel_ptrs(
+        self, numel: int, ctx: HopContext | None
+    ) -> tuple[int, int, int] | None:
+        """What ``dq_dyn_run`` takes for the pooled spans of ``numel > 0`` values
+        (:func:`~dynamiq.codecs._dynamiq_pool.chunk_kernel_ptrs`), or ``None``."""
+        shared = self._pool_shared(ctx)
+        if shared is None:
+            return None
+        assert ctx is not None
+        return _pool.chunk_kernel_ptrs(self, shared, numel, ctx.offset, self._bits_at(ctx))
+
+    def _kernel_memo(self, ctx: HopContext | None) -> dict[Any, Any] | None:
+        """Where a kernel may memoize what depends on the prologue's result in ``ctx.shared``
+        (:attr:`~dynamiq.codecs._dynamiq_pool.Pool.kernel_memo`: it lives as long as that
+        result), or ``None`` when nothing of it depends on ``ctx.shared``."""
+        shared = self._pool_shared(ctx)
+        return None if shared is None else _pool.kernel_memo(shared)
+
     def _span_budgets(self, numel: int, ctx: HopContext | None) -> torch.Tensor:
         """The budget (bits) of each span of ``numel`` values (int64, CPU)."""
         pooled = self._pooled_bytes(numel, ctx)

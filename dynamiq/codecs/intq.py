@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import _codes
 from .base import Codec, ErrorBound, HopContext, check_choice, check_int
 from .formats import FLOAT8_E8M0FNU
 from .hashing import hash_keys, hash_u32, uniform_open01
@@ -39,11 +40,11 @@ from .registry import register_codec
 
 __all__ = ["IntCodec", "block_absmax"]
 
-SCALE_FORMATS = ("bf16", "fp16", "fp32", "e8m0")
+SCALE_FORMATS = tuple(_codes.SCALE_FORMATS)
 _SCALE_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_SCALE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "e8m0": 1}
+_SCALE_BYTES = {k: f.nbytes for k, f in _codes.SCALE_FORMATS.items()}
 #: the bits a NaN scale is written as (canonical quiet NaN, positive), as a signed integer
-_CANONICAL_NAN = {"bf16": 0x7FC0, "fp16": 0x7E00, "fp32": 0x7FC00000}
+_CANONICAL_NAN = {k: f.nan_bits for k, f in _codes.SCALE_FORMATS.items() if k != "e8m0"}
 
 
 def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dynamiq.codecs import _codes
+
 # -- kinds of value buffers (``IN_KIND``, ``SRC_KIND``, ``DST_KIND`` meta-parameters) ----------
 
 KIND_FP32 = 0
@@ -209,8 +211,9 @@ def f32_to_bf16_bits(bits):
 
 # -- element formats (dynamiq.codecs.formats.ElementFormat, saturate=True) ----------------------
 
-#: ``SPECIALS`` meta-parameter of an element format (``ElementFormat.specials``)
-SPECIALS = {"ieee": 0, "fn": 1, "none": 2, "int": 3}
+#: ``SPECIALS`` meta-parameter of an element format (``ElementFormat.specials``; the codes of
+#: ``dynamiq/codecs/_codes.py``, which the ``SPECIALS == k`` tests below spell out)
+SPECIALS = _codes.SPECIALS
 
 
 @triton.jit

@@ -48,9 +48,14 @@ at least :data:`MIN_NUMEL` values (unless ``DYNAMIQ_CPU_KERNELS=0``, :func:`set_
 forces them (an error if they cannot run); ``backend="reference"`` is the plain reference.
 Which codecs: those whose class declares a family with an entry point here
 (``kernel_family``: :mod:`dynamiq.kernels._declared`). Per codec configuration the argument
-structure is filled once (:class:`_Native`); a call copies it and sets the buffers, the
-length and the thread count, and takes arguments the dispatcher validated already (the
+structure is filled once (:class:`_Native`; DynamiQ's per-call fields once per call
+signature, memoized: :meth:`_Native._dyn_filled`); a call copies it and sets the buffers,
+the length and the thread count, and takes arguments the dispatcher validated already (the
 module's own :func:`encode`, :func:`decode` and :func:`reduce` check theirs).
+
+**Shared with csrc/, checked at load**: each argument structure's size and field offsets
+(``_LAYOUTS``), and the scale-format and specials codes of :mod:`dynamiq.codecs._codes`,
+from which the build generates ``dq_codes.h`` (``_check_codes``).
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from dynamiq.codecs import _codes
 
 from . import _libcache, _settings
 from ._declared import declared_family
@@ -113,6 +120,8 @@ SOURCES = (
 )
 #: what they include
 HEADERS = (_CSRC / "common.h", _CSRC / "dynamiq_avx2.h")
+#: and the header of the shared codes the build generates (``dynamiq/codecs/_codes.py``)
+_CODES_H = "dq_codes.h"
 #: no -ffast-math (IEEE division, subnormals kept), no FMA contraction: bit-exactness
 FLAGS = (
     "-O3",
@@ -127,7 +136,7 @@ _LINK = ("-pthread",)
 #: ``DYNAMIQ_CPU_SANITIZE=address``: a debugging build under AddressSanitizer (its own cache
 #: entry); the process must preload the compiler's libasan: ``make sanitize`` does both
 _SANITIZE = {"address": ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address")}
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 
 
 class CPUKernelsUnavailableWarning(RuntimeWarning):
@@ -205,6 +214,16 @@ class _PTArgs(ctypes.Structure):
     ]
 
 
+#: one payload's fields of ``dq_dyn_args`` (``{name}_{in|out}{tail}``)
+_DYN_SIDE: list[tuple[str, str, Any]] = [
+    ("budget", "_full", ctypes.c_int64),
+    ("budget", "_last", ctypes.c_int64),
+    ("budget", "_of", ctypes.c_void_p),
+    ("offset", "_of", ctypes.c_void_p),
+    ("offset", "_base", ctypes.c_int64),
+]
+
+
 class _DynArgs(ctypes.Structure):
     _fields_ = [  # the C struct dq_dyn_args (csrc/dynamiq_kernels.cpp)
         *_COMMON_FIELDS,
@@ -215,14 +234,11 @@ class _DynArgs(ctypes.Structure):
         ("pooled", ctypes.c_int32),
         ("rounding", ctypes.c_int32),
         ("nthreads", ctypes.c_int32),
-        ("budget_in_full", ctypes.c_int64),
-        ("budget_in_last", ctypes.c_int64),
-        ("budget_out_full", ctypes.c_int64),
-        ("budget_out_last", ctypes.c_int64),
-        ("budget_in_of", ctypes.c_void_p),
-        ("budget_out_of", ctypes.c_void_p),
-        ("offset_in_of", ctypes.c_void_p),
-        ("offset_out_of", ctypes.c_void_p),
+        *[
+            (f"{name}_{side}{tail}", kind)
+            for side in ("in", "out")
+            for name, tail, kind in _DYN_SIDE
+        ],
         ("key0", ctypes.c_uint32),
         ("key1", ctypes.c_uint32),
         ("shift_key0", ctypes.c_uint32),
@@ -244,10 +260,40 @@ class _DynArgs(ctypes.Structure):
     ]
 
 
+#: the ``struct`` code of each field type of the argument structures (addresses: 64 bits)
+_PACK_CODE = {
+    ctypes.c_int32: "i",
+    ctypes.c_uint32: "I",
+    ctypes.c_int64: "q",
+    ctypes.c_uint64: "Q",
+    ctypes.c_void_p: "Q",
+    ctypes.c_float: "f",
+}
+
+
+def _packer(mirror: type[ctypes.Structure], first: str, last: str) -> tuple[struct.Struct, int]:
+    """A ``struct.Struct`` writing the fields ``first`` .. ``last`` of ``mirror`` at once
+    (``pack_into(args, at, ...)``), and ``at``, their start; ``RuntimeError`` unless they lie
+    contiguous, without padding."""
+    names = [f[0] for f in mirror._fields_]
+    at, fmt = getattr(mirror, first).offset, "<"
+    for name, kind, *_ in mirror._fields_[names.index(first) : names.index(last) + 1]:
+        fmt += _PACK_CODE[kind]
+        field = getattr(mirror, name)
+        if field.offset + field.size != at + struct.calcsize(fmt):
+            raise RuntimeError(f"{mirror.__name__}.{name} does not follow {first} contiguously")
+    return struct.Struct(fmt), at
+
+
+#: ``dq_dyn_args``' per-call fields, written in one pack: each payload's two uniform budgets,
+#: pooled budgets, offsets and offset base, then the hash keys, offset, hop, num_hops (and
+#: as fp32)
+_DYN_HOP, _DYN_HOP_AT = _packer(_DynArgs, "budget_in_full", "num_hops_f32")
+
 _OP = {"encode": 0, "reduce": 1, "decode": 2}
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_SCALE_FMT = {"bf16": 0, "fp16": 1, "fp32": 2, "e8m0": 3}
-_SPECIALS = {"ieee": 0, "fn": 1, "none": 2, "int": 3}
+_SCALE_FMT = {name: f.code for name, f in _codes.SCALE_FORMATS.items()}
+_SPECIALS = _codes.SPECIALS
 _ROUNDING = {"nearest": 0, "stochastic": 1, "correlated": 2}
 
 # -- switch -----------------------------------------------------------------------------------
@@ -330,6 +376,7 @@ def library_path(compiler: str | None = None) -> Path:
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
+    h.update(_CODES_H.encode() + b"\0" + _codes.c_header().encode())
     flags, link = _flags()
     for part in (*flags, *link, "-march=native", str(compiler or _compiler()), _cpu_identity()):
         h.update(b"\0" + part.encode())
@@ -340,6 +387,12 @@ def _build(cxx: str, dest: Path) -> None:
     """Compile the library to ``dest`` and record its SHA-256 beside it, atomically:
     temporary files in the cache directory renamed into place, the library first (the
     caller, ``_libcache.load``, holds the cache's build lock)."""
+    with tempfile.TemporaryDirectory(dir=dest.parent) as include:
+        (Path(include) / _CODES_H).write_text(_codes.c_header(), encoding="utf-8")
+        _compile(cxx, dest, ("-I", include))
+
+
+def _compile(cxx: str, dest: Path, include: tuple[str, ...]) -> None:
     errors = []
     # -march=native where the compiler knows it; a portable build otherwise
     for arch in (("-march=native",), ()):
@@ -347,7 +400,7 @@ def _build(cxx: str, dest: Path) -> None:
         os.close(fd)
         digest: Path | None = None
         flags, link = _flags()
-        cmd = [cxx, *flags, *arch, "-o", tmp, *map(str, SOURCES), *link]
+        cmd = [cxx, *flags, *arch, *include, "-o", tmp, *map(str, SOURCES), *link]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
             if proc.returncode == 0:
@@ -416,12 +469,30 @@ def _open() -> ctypes.CDLL:
     ]  # fmt: skip
     lib.dq_dyn_group_absmax.restype = ctypes.c_int
     _check_layouts(lib, path)
+    _check_codes(lib, path)
     return lib
 
 
+def _check_codes(lib: ctypes.CDLL, path: Path) -> None:
+    """Raise ``RuntimeError`` unless the library was compiled with the codes of
+    :mod:`dynamiq.codecs._codes` (``dq_codes``: a library built from another table, or C++ code
+    naming a scale format or specials the table lacks, or lacking one it has)."""
+    buf = (ctypes.c_int64 * 256)()
+    lib.dq_codes.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
+    lib.dq_codes.restype = ctypes.c_int64
+    got = list(buf[: lib.dq_codes(buf, len(buf))])
+    want = _codes.reported()
+    if got != want:
+        raise RuntimeError(
+            f"{path}: compiled with the scale-format and specials codes {got}, not those of "
+            f"dynamiq/codecs/_codes.py ({want})"
+        )
+
+
 #: the C structures whose layout the library reports (``DQ_LAYOUT`` in ``csrc/common.h``) and
-#: their mirrors here (DynamiQ's ``dq_dyn_args`` is not reported yet)
+#: their mirrors here
 _LAYOUTS: dict[str, type[ctypes.Structure]] = {
+    "dq_dyn_args": _DynArgs,
     "dq_int_args": _IntArgs,
     "dq_mx_args": _MXArgs,
     "dq_blk_args": _BlkArgs,
@@ -468,7 +539,7 @@ def _family(codec: Codec) -> str | None:
     native entry point here (``"passthrough"``, ``"intq"``, ``"mx"``, ``"dynamiq"``,
     ``"block"``), else ``None``."""
     family = declared_family(codec)
-    return family if family in _TEMPLATES or family == "dynamiq" else None
+    return family if family in _TEMPLATES else None
 
 
 def kernel(codec: Codec, op: str, *, required: bool = False) -> Callable[..., Any] | None:
@@ -563,19 +634,42 @@ def _block_template(codec: Any) -> _BlkArgs:
     )
 
 
+@functools.lru_cache(maxsize=1024)
+def _dyn_keys(seed: int, step: int, hop: int, rank: int) -> tuple[int, int, int, int]:
+    """DynamiQ's hash keys of the dither and of the correlated shift of a hop context."""
+    from dynamiq.codecs.hashing import hash_keys
+
+    return (*hash_keys(seed, step, hop, rank), *hash_keys(seed, step, 0xFFFFFFFF, 0xFFFFFFFF))
+
+
+def _dyn_template(codec: Any) -> _DynArgs:
+    tables = _dynamiq_tables(codec)  # (the _Native holds them: the template points into them)
+    return _DynArgs(
+        span=codec.span,
+        super_group=codec.super_group,
+        group=codec.group,
+        scale_steps=codec.scale_steps,
+        pooled=int(codec.pooled),
+        rounding=_ROUNDING[codec.rounding],
+        **{name: t.data_ptr() for name, t in tables.items()},
+    )
+
+
 def _pt_template(codec: Any) -> _PTArgs:
     return _PTArgs(out_kind=_KIND[codec.dtype])
 
 
 #: family -> (its argument structure's fields that depend only on the configuration, the
-#: native entry point); DynamiQ's are built per call (``_run_dynamiq``: budgets and pooled
-#: offsets depend on the hop)
+#: native entry point)
 _TEMPLATES: dict[str, tuple[Callable[[Any], ctypes.Structure], str]] = {
+    "dynamiq": (_dyn_template, "dq_dyn_run"),
     "intq": (_int_template, "dq_int_run"),
     "mx": (_mx_template, "dq_mx_run"),
     "block": (_block_template, "dq_blk_run"),
     "passthrough": (_pt_template, "dq_pt_run"),
 }
+#: the most argument structures a memo of DynamiQ's keeps (:meth:`_Native._dyn_filled`)
+_MAX_MEMO = 1024
 #: the names :func:`record_launch` counts (``cpu_<name>_<op>``)
 _LAUNCH_NAME = {"intq": "int"}
 
@@ -583,8 +677,9 @@ _LAUNCH_NAME = {"intq": "int"}
 class _Native:
     """The native kernel of one codec configuration: its argument structure filled once, so
     a call copies it and sets only what changes per call (buffers, length, threads; the hash
-    keys of stochastic rounding, a block format's tensor scale). ``encode``, ``decode`` and
-    ``reduce`` take the dispatcher's (already validated) arguments."""
+    keys of stochastic rounding, a block format's tensor scale; DynamiQ's budgets, pooled
+    spans and hop fields, from memoized values: :meth:`_dyn_fields`). ``encode``, ``decode``
+    and ``reduce`` take the dispatcher's (already validated) arguments."""
 
     def __init__(self, codec: Any, family: str) -> None:
         self.lib = _load()
@@ -593,11 +688,16 @@ class _Native:
         self.launches = {op: f"cpu_{name}_{op}" for op in _OP}
         check_range = getattr(codec, "check_range", None)  # DynamiQ: outside a collective
         self.check_range = check_range if callable(check_range) else None
-        self.template: ctypes.Structure | None = None
-        if family in _TEMPLATES:
-            make, self.entry = _TEMPLATES[family]
-            self.template = make(codec)
+        make, self.entry = _TEMPLATES[family]
+        self.template = make(codec)
         self.stochastic = family == "intq" and codec.rounding == "stochastic"
+        #: DynamiQ: the tables its template points into, and the uniform budgets (bits) of a
+        #: full and of the short last span per (hop, num_hops, last span's length)
+        self.tables = _dynamiq_tables(codec) if family == "dynamiq" else None
+        self.budgets: dict[tuple[int, int, int], tuple[int, int]] = {}
+        #: DynamiQ: filled argument structures that depend on no prologue result
+        #: (:meth:`_dyn_filled`)
+        self.memo: dict[Any, Any] = {}
 
     def encode(self, codec: Any, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         if self.check_range is not None:
@@ -648,28 +748,22 @@ class _Native:
         incoming one's, ``ptrs`` the addresses of ``x``, ``inp``, ``out`` and ``out_values``
         (``None``: unused), ``g_exp`` a block format's outgoing tensor-scale exponent."""
         ctx, in_ctx = ctxs
-        if self.template is None:  # DynamiQ
-            names = ("x", "inp", "out", "out_values")
-            _run_dynamiq(
-                self.lib, codec, op, n, ctx=ctx, in_ctx=in_ctx, in_kind=in_kind,
-                **dict(zip(names, ptrs, strict=True)),
-            )  # fmt: skip
-        else:
-            args: Any = type(self.template).from_buffer_copy(self.template)
-            args.op = _OP[op]
-            args.in_kind = in_kind
-            args.x, args.inp, args.out, args.out_values = ptrs
-            args.n = n
-            args.nthreads = _threads(n)
-            if self.family == "intq":
-                self._int_fields(args, ctx)
-            elif self.family == "block":
-                args.header = codec.header_nbytes(n)
-                args.g_out_bits = _f32_bits(2.0**g_exp)
-            # (looked up per call: benchmarks/dispatch_overhead.py times the entry point)
-            _check_status(getattr(self.lib, self.entry)(ctypes.byref(args)))
-            if self.family == "intq" and args.worst:
-                _out_of_range(codec, args.worst)
+        filled = self._dyn_filled(codec, n, ctx, in_ctx) if self.family == "dynamiq" else None
+        args: Any = type(self.template).from_buffer_copy(filled or self.template)
+        args.op = _OP[op]
+        args.in_kind = in_kind
+        args.x, args.inp, args.out, args.out_values = ptrs
+        args.n = n
+        args.nthreads = _threads(n)
+        if self.family == "intq":
+            self._int_fields(args, ctx)
+        elif self.family == "block":
+            args.header = codec.header_nbytes(n)
+            args.g_out_bits = _f32_bits(2.0**g_exp)
+        # (looked up per call: benchmarks/dispatch_overhead.py times the entry point)
+        _check_status(getattr(self.lib, self.entry)(ctypes.byref(args)))
+        if self.family == "intq" and args.worst:
+            _out_of_range(codec, args.worst)
         record_launch(self.launches[op])
 
     def _int_fields(self, args: Any, ctx: HopContext) -> None:
@@ -678,6 +772,66 @@ class _Native:
 
             args.key0, args.key1 = hash_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank)
         args.offset = ctx.offset
+
+    def _dyn_filled(
+        self, codec: Any, n: int, ctx: HopContext, in_ctx: HopContext
+    ) -> ctypes.Structure:
+        """DynamiQ's template with its per-call fields filled (:meth:`_dyn_fields`), memoized
+        per ``n`` and the values of the two contexts' fields that it reads: here when
+        neither context holds a prologue result the fields depend on, in that result's own
+        memo when both hold the same one (the entry holds this object: its key's identity
+        stays its own), not at all when they hold different ones."""
+        memo = codec._kernel_memo(ctx)
+        two = in_ctx is not ctx and in_ctx.shared is not ctx.shared
+        if two and (memo is not None or codec._kernel_memo(in_ctx) is not None):
+            return self._dyn_new(codec, n, ctx, in_ctx)
+        if memo is None:
+            memo = self.memo
+        key = (
+            self, n, ctx.seed, ctx.step, ctx.hop, ctx.num_hops, ctx.rank, ctx.offset,
+            in_ctx.hop, in_ctx.num_hops, in_ctx.offset,
+        )  # fmt: skip
+        got = memo.get(key)
+        if got is None:
+            if len(memo) >= _MAX_MEMO:
+                memo.clear()
+            got = memo[key] = self._dyn_new(codec, n, ctx, in_ctx)
+        return got
+
+    def _dyn_new(self, codec: Any, n: int, ctx: HopContext, in_ctx: HopContext) -> Any:
+        args = type(self.template).from_buffer_copy(self.template)
+        self._dyn_fields(codec, args, n, ctx, in_ctx)
+        return args
+
+    def _dyn_fields(
+        self, codec: Any, args: Any, n: int, ctx: HopContext, in_ctx: HopContext
+    ) -> None:
+        """DynamiQ's per-call fields: ``in_ctx`` the incoming payload's context (decode,
+        reduce), ``ctx`` the outgoing payload's (encode, reduce: the dither and the budget).
+        Every value comes from a memo keyed on values (the budgets here, the hash keys in
+        :func:`_dyn_keys`) or held by ``ctx.shared`` (the pooled spans: the prologue's
+        result memoizes them, and the caller holds it until the kernel is done); they are
+        written in one pack (``_DYN_HOP``: the fields ``budget_in_full`` .. ``num_hops_f32``)."""
+        rest = n % codec.span
+        _DYN_HOP.pack_into(
+            args, _DYN_HOP_AT,
+            *self._dyn_side(codec, n, rest, in_ctx), *self._dyn_side(codec, n, rest, ctx),
+            *_dyn_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank),
+            ctx.offset, ctx.hop, ctx.num_hops, float(ctx.num_hops),  # fp32 as torch divides
+        )  # fmt: skip
+
+    def _dyn_side(self, codec: Any, n: int, rest: int, c: HopContext) -> tuple[int, ...]:
+        """One payload's uniform budgets (bits: a full span's, the short last one's; unread
+        by the kernel when pooled), and its pooled spans' budgets, offsets and offset base
+        (``0, 0, 0``: uniform)."""
+        pooled = codec._pooled_kernel_ptrs(n, c)
+        key = (c.hop, c.num_hops, rest)
+        uniform = self.budgets.get(key)
+        if uniform is None:
+            if len(self.budgets) >= 4096:
+                self.budgets.clear()
+            uniform = self.budgets[key] = (codec._budget(codec.span, c), codec._budget(rest, c))
+        return (*uniform, *(pooled or (0, 0, 0)))
 
 
 def _out_of_range(codec: Any, worst_bits: int) -> None:
@@ -700,76 +854,6 @@ def _native(codec: Any, family: str) -> _Native:
         return _native_cached(codec, family)
     except TypeError:  # an unhashable configuration: built each time
         return _Native(codec, family)
-
-
-def _run_dynamiq(
-    lib: ctypes.CDLL,
-    codec: Codec,
-    op: str,
-    n: int,
-    *,
-    ctx: HopContext,
-    in_ctx: HopContext | None = None,
-    **ptrs: Any,
-) -> None:
-    """One ``dq_dyn_run`` call: ``in_ctx`` the incoming payload's context (decode, reduce),
-    ``ctx`` the outgoing payload's (encode, reduce: the dither and the budget)."""
-    from dynamiq.codecs.dynamiq_codec import DynamiqCodec
-    from dynamiq.codecs.hashing import hash_keys
-
-    assert isinstance(codec, DynamiqCodec)
-    tables = _dynamiq_tables(codec)
-    in_ctx = ctx if in_ctx is None else in_ctx
-    rest = n % codec.span
-    key0, key1 = hash_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank)
-    shift0, shift1 = hash_keys(ctx.seed, ctx.step, 0xFFFFFFFF, 0xFFFFFFFF)
-    pooled, keep = _pooled_args(codec, n, ctx, in_ctx)
-    args = _DynArgs(
-        op=_OP[op],
-        n=n,
-        span=codec.span,
-        super_group=codec.super_group,
-        group=codec.group,
-        scale_steps=codec.scale_steps,
-        pooled=int(codec.pooled),
-        rounding=_ROUNDING[codec.rounding],
-        nthreads=_threads(n),
-        budget_in_full=codec._budget(codec.span, in_ctx),
-        budget_in_last=codec._budget(rest, in_ctx),
-        budget_out_full=codec._budget(codec.span, ctx),
-        budget_out_last=codec._budget(rest, ctx),
-        key0=key0,
-        key1=key1,
-        shift_key0=shift0,
-        shift_key1=shift1,
-        offset=ctx.offset,
-        hop=ctx.hop,
-        num_hops=ctx.num_hops,
-        num_hops_f32=float(ctx.num_hops),  # rounded to fp32 as torch divides by it
-        **pooled,
-        **{name: t.data_ptr() for name, t in tables.items()},
-        **ptrs,
-    )
-    _check_status(lib.dq_dyn_run(ctypes.byref(args)))
-    del keep  # the pooled budgets and offsets live until the kernel is done
-
-
-def _pooled_args(
-    codec: Any, n: int, ctx: HopContext, in_ctx: HopContext
-) -> tuple[dict[str, int | None], list[torch.Tensor]]:
-    """The per-span budgets and payload offsets of a ``pooling="bucket"`` codec (pointers,
-    and the tensors that own them), or null pointers when every span has the uniform one."""
-    ptrs: dict[str, int | None] = {}
-    keep: list[torch.Tensor] = []
-    for side, c in (("in", in_ctx), ("out", ctx)):
-        pooled = codec._pooled_kernel_args(n, c)  # memoized in the prologue's result
-        if pooled is None:
-            ptrs[f"budget_{side}_of"] = ptrs[f"offset_{side}_of"] = None
-            continue
-        bits, offs = pooled
-        keep += [bits, offs]
-        ptrs[f"budget_{side}_of"], ptrs[f"offset_{side}_of"] = bits.data_ptr(), offs.data_ptr()
-    return ptrs, keep
 
 
 @functools.lru_cache(maxsize=32)

@@ -38,9 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
+from dynamiq.codecs._codes import SCALE_FORMATS as SCALE_CODES
 from dynamiq.codecs.base import HopContext
 from dynamiq.codecs.hashing import hash_keys
-from dynamiq.codecs.intq import _SCALE_BYTES, IntCodec
+from dynamiq.codecs.intq import IntCodec
 from dynamiq.codecs.packing import packed_nbytes
 
 from ._common import (
@@ -76,7 +77,7 @@ ROWS_PATH = True
 NUM_WARPS = 4
 
 # scale formats: code, significant bits P, exponent of the smallest positive value GMIN
-_FMT = {"bf16": (0, 8, -133), "fp16": (1, 11, -24), "fp32": (2, 24, -149), "e8m0": (3, 1, -127)}
+_FMT = {k: (f.code, f.p, f.gmin) for k, f in SCALE_CODES.items()}
 
 
 # -- scales -----------------------------------------------------------------------------------
@@ -544,7 +545,7 @@ def _scale_meta_of(scale_format: str, qmax: int, max_input_abs: float) -> dict[s
     max_in = torch.tensor([max_input_abs], dtype=torch.float32).view(torch.int32)
     return {
         "FMT": fmt,
-        "SB": _SCALE_BYTES[scale_format],
+        "SB": SCALE_CODES[scale_format].nbytes,
         "P": p,
         "GMIN": gmin,
         "QMAX": qmax,

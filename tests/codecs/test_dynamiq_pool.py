@@ -4,7 +4,9 @@ invariance, and bad input raised on every rank."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import gc
 import itertools
 import math
 
@@ -104,6 +106,13 @@ def test_chunk_bytes_equal_the_budgets_and_encoded_sizes(chunks) -> None:
             assert got is not None and got[0].is_contiguous()
             assert torch.equal(got[0], want * 8)
             assert torch.equal(got[1], codec._span_offset_tensor(hi - lo, want * 8))
+            ptrs = codec._pooled_kernel_ptrs(hi - lo, sub)  # what dq_dyn_run reads
+            assert ptrs is not None
+            spans = want.numel()
+            bits = (ctypes.c_int64 * spans).from_address(ptrs[0])
+            starts = (ctypes.c_int64 * spans).from_address(ptrs[1])
+            assert list(bits) == (want * 8).tolist()
+            assert [s - ptrs[2] for s in starts] == got[1].tolist()
     with pytest.raises(ValueError, match="not whole spans"):
         codec.encoded_nbytes(100, HopContext(shared=shared, offset=5))
     with pytest.raises(ValueError, match="not whole spans"):
@@ -181,6 +190,42 @@ def test_native_kernels_bit_exact_with_pooled_budgets(config: dict) -> None:
     assert torch.equal(r_ref, kernels.reduce(codec, ref, y, ctx, out_ctx, backend="cpu"))
     # the fused reduce is the decode, the add and the encode
     assert torch.equal(r_ref, kernels.encode(codec, d_ref + y, out_ctx, backend="reference"))
+    # sub-chunks at offsets (the kernel reads their spans from tables of every span): inside
+    # a region, across the regions' border, and a region's short end
+    s = codec.span
+    for a, b in ((3 * s, 8 * s), (5 * s, 12 * s), (8 * s, n)):
+        sub, sub_out = (dataclasses.replace(c, offset=a) for c in (ctx, out_ctx))
+        xa, ya = x[a:b].contiguous(), y[a:b].contiguous()
+        ref = kernels.encode(codec, xa, sub, backend="reference")
+        assert torch.equal(ref, kernels.encode(codec, xa, sub, backend="cpu")), (a, b)
+        d_ref = kernels.decode(codec, ref, b - a, sub, backend="reference")
+        d_cpu = kernels.decode(codec, ref, b - a, sub, backend="cpu")
+        assert torch.equal(d_ref.view(torch.int32), d_cpu.view(torch.int32)), (a, b)
+        r_ref = kernels.reduce(codec, ref, ya, sub, sub_out, backend="reference")
+        assert torch.equal(r_ref, kernels.reduce(codec, ref, ya, sub, sub_out, backend="cpu"))
+
+
+def test_native_arguments_memoized_per_prologue_result() -> None:
+    """The native kernel memoizes its filled arguments in the prologue's result (keyed on
+    the hop context's values): a new result with other budgets at the same context values,
+    made after the last one died (its memory, and maybe its address, reused), gets its own
+    budgets, not the dead one's; a context holding no result gets the uniform budgets."""
+    codec = DynamiqCodec()
+    n = 256 * 12 + 40
+    for seed in range(3):
+        xs = [grads(n, 10 * seed + s) * 4.0**seed for s in range(2)]
+        if seed == 1:
+            xs[0][: 256 * 6] *= 1e-6  # other demand: other budgets
+        shared = prologue(codec, xs, [(0, 256 * 6), (256 * 6, n)])[0]
+        for ctx in (HopContext(shared=shared, offset=256 * 6), HopContext(offset=256 * 6)):
+            x = xs[0][256 * 6 :].contiguous()
+            ref = kernels.encode(codec, x, ctx, backend="reference")
+            assert torch.equal(ref, kernels.encode(codec, x, ctx, backend="cpu")), seed
+            d = kernels.decode(codec, ref, x.numel(), ctx, backend="cpu")
+            want = kernels.decode(codec, ref, x.numel(), ctx, backend="reference")
+            assert torch.equal(d.view(torch.int32), want.view(torch.int32)), seed
+        del shared, ctx
+        gc.collect()
 
 
 def test_cut_invariance_with_pooled_budgets() -> None:

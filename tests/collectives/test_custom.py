@@ -71,7 +71,13 @@ def _xs(numel: int) -> list[torch.Tensor]:
     return [torch.randn(numel, generator=g) * scales for _ in range(3)]
 
 
-@pytest.mark.parametrize("codec_name", ["fp32", "int8", "mxfp4", "mxfp8_e4m3", "dynamiq"])
+#: codecs whose bound on this path exceeds the largest |sum| (the check that the bound is not
+#: vacuous does not apply; the bound must still hold): 2 bits a value, and THC's 4-bit
+#: lookup table at its default range
+WIDE_BOUND = {"int2", "thc"}
+
+
+@pytest.mark.parametrize("codec_name", list_codecs())
 def test_composed_bound_on_a_two_hop_path(codec_name: str) -> None:
     codec = get_codec(codec_name)
     numel = 4096
@@ -114,7 +120,9 @@ def test_composed_bound_on_a_two_hop_path(codec_name: str) -> None:
     exact = xs[0].double() + xs[1].double() + xs[2].double()
     err = (out.double() - exact).abs()
     assert bool((err <= bound).all())
-    assert float(err.max()) > 0 and float(bound.max()) < float(exact.abs().max())  # not vacuous
+    assert float(err.max()) > 0
+    if codec_name not in WIDE_BOUND:  # not vacuous
+        assert float(bound.max()) < float(exact.abs().max())
     # the engine on the same path: the same result, and the same bound as the wire carries it
     sim = simulate_allreduce(xs, codec, sched, seed=5)
     wire_out, wire_bound = path(wire=True)

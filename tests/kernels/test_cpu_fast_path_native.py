@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kernel_harness import assert_values_equal
 
 import dynamiq.kernels as K
-from dynamiq.codecs import Codec, HopContext, get_codec
+from dynamiq.codecs import Codec, HopContext, MXCodec, get_codec, list_codecs
 from dynamiq.codecs.intq import IntCodec
 from dynamiq.codecs.packing import pack_bits
 from dynamiq.codecs.passthrough import BF16Codec
@@ -37,7 +37,8 @@ if cpu_native._compiler() is None:
         allow_module_level=True,
     )
 
-MX_NAMES = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "mxint8"]
+#: every registered MX codec (a new element format is tested here without naming it)
+MX_NAMES = [n for n in list_codecs() if isinstance(get_codec(n), MXCodec)]
 SCALE_FORMATS = ["bf16", "fp16", "fp32", "e8m0"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # hop contexts: defaults; an offset whose low word wraps inside a block; one that wraps int64

@@ -180,3 +180,23 @@ def test_a_struct_mirror_unlike_the_c_struct_is_an_error(monkeypatch: pytest.Mon
         monkeypatch.setitem(cpu_native._LAYOUTS, "dq_pt_args", mirror)
         with pytest.raises(RuntimeError, match=f"dq_pt_args .* ctypes mirror {mirror.__name__}"):
             cpu_native._check_layouts(lib, Path("lib.so"))
+    monkeypatch.undo()
+
+    class NoBase(ctypes.Structure):  # DynamiQ's: a per-payload offset base missing
+        _fields_ = [f for f in cpu_native._DynArgs._fields_ if f[0] != "offset_in_base"]
+
+    monkeypatch.setitem(cpu_native._LAYOUTS, "dq_dyn_args", NoBase)
+    with pytest.raises(RuntimeError, match="dq_dyn_args .* ctypes mirror NoBase"):
+        cpu_native._check_layouts(lib, Path("lib.so"))
+
+
+def test_a_packed_field_range_must_be_contiguous() -> None:
+    """DynamiQ's per-call fields are written by one ``struct`` pack built from the mirror
+    (``cpu_native._packer``): its offsets are the mirror's, and a range with padding inside
+    (``dq_int_args``: 4 bytes before ``offset``) is refused, not packed out of place."""
+    pack, at = cpu_native._packer(cpu_native._DynArgs, "budget_in_full", "num_hops_f32")
+    assert at == cpu_native._DynArgs.budget_in_full.offset
+    end = cpu_native._DynArgs.num_hops_f32
+    assert at + pack.size == end.offset + end.size
+    with pytest.raises(RuntimeError, match="_IntArgs.offset does not follow bits"):
+        cpu_native._packer(cpu_native._IntArgs, "bits", "offset")

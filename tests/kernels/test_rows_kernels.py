@@ -23,7 +23,7 @@ with interpreted_imports():
     from dynamiq.kernels import mx as kmx
 
 import dynamiq.kernels as K
-from dynamiq.codecs import HopContext, get_codec
+from dynamiq.codecs import HopContext, MXCodec, get_codec, list_codecs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("triton_interpreter")]
 
@@ -38,7 +38,10 @@ INT_CONFIGS: list[Any] = [
     {"id": "int", "bits": 8, "scale_format": "fp32"},
     {"id": "int", "bits": 4, "scale_format": "e8m0"},
 ]
-MX_CODECS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxint8", "mxfp4"]
+#: every registered MX codec the rows kernel takes (8- and 4-bit elements: kernels/mx.py)
+MX_CODECS = [
+    n for n in list_codecs() if isinstance(c := get_codec(n), MXCodec) and c.element.bits in (8, 4)
+]
 CTX = HopContext(seed=3, step=1, hop=1, num_hops=4, rank=1, offset=2**32 - 100)
 
 

@@ -74,8 +74,10 @@ struct DynJob {
   int64_t n, span, sg, g, per_sg;
   int64_t bud_in[2], bud_out[2];  // budgets (bits) of a full span and of the short last one
   // pooled budgets (pooling="bucket"): each span's budget (bits) and its payload's offset
-  // (bytes); null: every span has the budgets above, at multiples of the full span's size
+  // (bytes) less off_*_base; null: every span has the budgets above, at multiples of the full
+  // span's size
   const int64_t *bud_in_of, *bud_out_of, *off_in, *off_out;
+  int64_t off_in_base, off_out_base;
   uint32_t key0, key1, skey0, skey1;
   uint64_t offset, hop, num_hops;
   float hf;  // num_hops as fp32
@@ -927,8 +929,8 @@ bool run_spans(const DynJob& j, int64_t s0, int64_t s1) {
     const float* v = scratch;
     const int64_t b_in = j.bud_in_of ? j.bud_in_of[si] : j.bud_in[last];
     const int64_t b_out = j.bud_out_of ? j.bud_out_of[si] : j.bud_out[last];
-    const uint8_t* p_in = j.in + (j.off_in ? j.off_in[si] : si * in_stride);
-    uint8_t* p_out = j.out + (j.off_out ? j.off_out[si] : si * out_stride);
+    const uint8_t* p_in = j.in + (j.off_in ? j.off_in[si] - j.off_in_base : si * in_stride);
+    uint8_t* p_out = j.out + (j.off_out ? j.off_out[si] - j.off_out_base : si * out_stride);
     if (j.op == 2) {  // decode
       decode_span<G, 0, false>(j, Gm, p_in, b_in, nullptr, j.out_values + start, sc);
       continue;
@@ -1006,12 +1008,18 @@ struct dq_dyn_args {
   DQ_COMMON_ARGS
   int64_t span, super_group, group;
   int32_t scale_steps, pooled, rounding, nthreads;
-  int64_t budget_in_full, budget_in_last;    // incoming payload (decode, reduce): ctx
-  int64_t budget_out_full, budget_out_last;  // outgoing payload (encode, reduce): out_ctx
-  const int64_t* budget_in_of;               // [spans] or null: pooled budgets (bits)
+  // each payload's budgets (bits) of a full and of the short last span; [spans] or null: the
+  // pooled budgets and each span's payload offset (bytes) plus offset_*_base (a chunk's
+  // spans in tables of every span of the buffer). The incoming payload (decode, reduce: ctx)
+  // first, then the outgoing one (encode, reduce: out_ctx).
+  int64_t budget_in_full, budget_in_last;
+  const int64_t* budget_in_of;
+  const int64_t* offset_in_of;
+  int64_t offset_in_base;
+  int64_t budget_out_full, budget_out_last;
   const int64_t* budget_out_of;
-  const int64_t* offset_in_of;               // [spans] or null: each span's payload offset
   const int64_t* offset_out_of;
+  int64_t offset_out_base;
   uint32_t key0, key1;                       // hash keys of the dither (out_ctx)
   uint32_t shift_key0, shift_key1;           // hash keys of the correlated shift
   uint64_t offset, hop, num_hops;            // out_ctx
@@ -1051,6 +1059,8 @@ int dq_dyn_run(dq_dyn_args* a) {
   j.bud_out_of = a->budget_out_of;
   j.off_in = a->offset_in_of;
   j.off_out = a->offset_out_of;
+  j.off_in_base = a->offset_in_base;
+  j.off_out_base = a->offset_out_base;
   j.key0 = a->key0;
   j.key1 = a->key1;
   j.skey0 = a->shift_key0;
@@ -1099,6 +1109,23 @@ int dq_dyn_run(dq_dyn_args* a) {
   };
   const int nt = (int)std::max<int64_t>(1, a->nthreads);
   return parallel_tiles(nspans, nt, work) ? 0 : 1;
+}
+
+// The layout of dq_dyn_args (common.h, DQ_LAYOUT).
+int64_t dq_dyn_args_layout(int64_t* out, int64_t cap) {
+  using T = dq_dyn_args;
+  return dq_layout(
+      out, cap,
+      {(int64_t)sizeof(T), DQ_COMMON_OFFSETS(T), DQ_OFF(T, span), DQ_OFF(T, super_group),
+       DQ_OFF(T, group), DQ_OFF(T, scale_steps), DQ_OFF(T, pooled), DQ_OFF(T, rounding),
+       DQ_OFF(T, nthreads), DQ_OFF(T, budget_in_full), DQ_OFF(T, budget_in_last),
+       DQ_OFF(T, budget_in_of), DQ_OFF(T, offset_in_of), DQ_OFF(T, offset_in_base),
+       DQ_OFF(T, budget_out_full), DQ_OFF(T, budget_out_last), DQ_OFF(T, budget_out_of),
+       DQ_OFF(T, offset_out_of), DQ_OFF(T, offset_out_base), DQ_OFF(T, key0), DQ_OFF(T, key1),
+       DQ_OFF(T, shift_key0), DQ_OFF(T, shift_key1), DQ_OFF(T, offset), DQ_OFF(T, hop),
+       DQ_OFF(T, num_hops), DQ_OFF(T, num_hops_f32), DQ_OFF(T, levels), DQ_OFF(T, base),
+       DQ_OFF(T, key), DQ_OFF(T, lower), DQ_OFF(T, gap), DQ_OFF(T, eyt), DQ_OFF(T, eyt5),
+       DQ_OFF(T, q), DQ_OFF(T, steps), DQ_OFF(T, powers)});
 }
 
 }  // extern "C"
