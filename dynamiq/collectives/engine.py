@@ -319,7 +319,7 @@ class ScheduleRun:
         self.pieces: list[list[tuple[int, int]]] = []
         self.work = torch.empty(0)
         self._source: torch.Tensor | None = None  # x, where ``work`` is not x itself
-        self._written: set[int] = set()  # starts of the pieces of ``work`` written (if so)
+        self._written: set[tuple[int, int]] = set()  # the pieces of ``work`` written (if so)
         self.state: list[_State] = []
         self.last_recv: dict[int, int] = {}
         self.deferred: list[_Deferred] = []
@@ -530,7 +530,7 @@ class ScheduleRun:
                 continue
             if not s.encoded:
                 for a, b in self.pieces[ch]:
-                    if self._source is not None and a not in self._written:
+                    if self._source is not None and (a, b) not in self._written:
                         self._write(a, b, self._raw(a, b))  # held raw all along (one rank)
                 continue
             assert s.codec is not None and s.ctx is not None
@@ -818,14 +818,14 @@ class ScheduleRun:
 
     def _raw(self, a: int, b: int) -> torch.Tensor:
         """The fp32 values of the piece ``[a, b)`` held raw (the input, until written)."""
-        if self._source is None or a in self._written:
+        if self._source is None or (a, b) in self._written:
             return self.work[a:b]
         return self._source[a:b].to(torch.float32)
 
     def _write(self, a: int, b: int, v: torch.Tensor) -> None:
         self.work[a:b] = v
         if self._source is not None:
-            self._written.add(a)
+            self._written.add((a, b))  # (an empty piece may share its start with the next)
 
     def _wanted(self, chunk: int) -> bool:
         outputs = self.config.outputs
