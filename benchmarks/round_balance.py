@@ -1,0 +1,243 @@
+"""Issue 13 item 4 / issue 14 "Balance": the largest / mean bytes any rank sends per round, on
+real gradients, for every registered codec's default, at 8, 32, 128 and 1024 ranks (ring,
+butterfly, hierarchical with 8 ranks a node), for a 25 MB DDP bucket (6,553,600 values) and
+DDP's 1 MiB first bucket (262,144 values).
+
+    python benchmarks/round_balance.py --data          # build the buffers (cached, ~27 GB)
+    python benchmarks/round_balance.py                 # every cell -> docs/data/round-balance.json
+    python benchmarks/round_balance.py --ranks 1024 --codec dynamiq --numel 6553600
+    python benchmarks/round_balance.py --report        # the Markdown table from the JSON
+
+No cell holds every rank's buffer (1024 x 26 MB = 27 GB does not fit this machine); each gets
+the exact per-round bytes from :mod:`dynamiq.collectives.balance`:
+
+* codecs whose message sizes are known in advance (every built-in but OmniReduce):
+  ``round_nbytes`` along the engine's plan, with the prologue's shared result where the
+  prologue is an all-reduce of statistics (pooled ``dynamiq``'s span budgets and chunk bounds,
+  ``nvfp4``'s tensor scale), reduced one rank's buffer at a time (``prologue_shared``); THC's
+  prologue (an all-gather of segment scales) does not enter its sizes;
+* ``omnireduce`` (sizes follow the data): ``omnireduce_round_nbytes``, which runs the plan on
+  the fp32 partial sums (the codec is lossless at its default density 1) a group of chunks at
+  a time, reading every rank's values of those chunks only.
+
+``tests/collectives/test_balance.py`` checks both against ``simulate_schedule``'s
+``round_bytes``, exactly, for every registered codec and schedule.
+
+Buffers (real data, no noise): the byte-level transformer of ``benchmarks/scale.py``
+(``DataConfig(max_workers=1024, train_steps=80, worker_batch=1)``, its cached weights). Rank
+``w``'s buffer is worker ``w``'s gradient on its own eval-split window followed by its gradient
+on its own fit-split window (disjoint text), each flattened in DDP's bucket order (parameters
+in reverse registration order, each parameter's gradient contiguous), 2 x 3,323,648 values cut
+to 6,553,600: the first 3,323,648 values are one whole step's gradient in DDP's order, the rest
+a second step's. The 262,144-value buffer is its first 262,144 values: DDP's 1 MiB first bucket
+(``head``, ``ln_f``, ``blocks.3.fc2``). Cached as a raw fp32 ``[1024, 6553600]`` file in the
+data cache (``$DYNAMIQ_CACHE`` or ``~/.cache/dynamiq``), read one rank's row at a time.
+
+Each cell records the worst round's largest / mean bytes over the ranks the schedule has send
+in that round (``round_balance``), which round it is, the largest and mean bytes of that round,
+the run's wall and CPU seconds, and the load average. A rerun skips cells already in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dynamiq.codecs import get_codec, list_codecs
+from dynamiq.collectives import get_schedule
+from dynamiq.collectives.balance import omnireduce_round_nbytes, round_balance, round_nbytes
+from dynamiq.collectives.simulator import prologue_shared
+from dynamiq.data import DataConfig, default_cache_dir
+
+WORKERS = 1024
+BUCKET = 6_553_600  # 25 MB of fp32: DDP's default bucket_cap_mb
+FIRST_BUCKET = 262_144  # 1 MiB: DDP's first bucket
+RANKS = (8, 32, 128, 1024)
+SCHEDULES = ("ring", "butterfly", "hierarchical")
+RANKS_PER_NODE = 8
+SUB_CHUNK = 1 << 18  # the engine's default
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "data" / "round-balance.json"
+CONFIG = DataConfig(max_workers=WORKERS, train_steps=80, worker_batch=1)
+
+
+def _paths() -> tuple[Path, Path]:
+    from dynamiq.data.gradients import _hash
+
+    stem = f"round-balance-buffers-v1-{_hash(CONFIG.to_dict())[:12]}-{WORKERS}x{BUCKET}"
+    root = default_cache_dir()
+    return root / f"{stem}.f32", root / f"{stem}.json"
+
+
+def build_buffers(progress: bool = True) -> dict[str, Any]:
+    """Write the ``[WORKERS, BUCKET]`` buffers (module docstring) and their metadata (last)."""
+    from dynamiq.data.gradients import _trained_model, worker_gradient
+
+    raw, meta = _paths()
+    corpus = CONFIG.build_corpus()
+    model, info = _trained_model(
+        CONFIG, corpus, default_cache_dir(), regenerate=False, progress=progress
+    )
+    params = list(model.named_parameters())
+    per_step = sum(p.numel() for _, p in params)
+    if 2 * per_step < BUCKET:
+        raise RuntimeError(f"two steps of {per_step} values do not fill {BUCKET}")
+    # DDP's order: parameters reversed, each one's gradient contiguous
+    offsets, pos = {}, 0
+    for name, p in params:
+        offsets[name], pos = (pos, pos + p.numel()), pos + p.numel()
+    order = np.concatenate([np.arange(*offsets[name]) for name, _ in reversed(params)])
+    tmp = raw.with_suffix(".tmp")
+    mm = np.memmap(tmp, dtype=np.float32, mode="w+", shape=(WORKERS, BUCKET))
+    t0 = time.perf_counter()
+    for w in range(WORKERS):
+        a, _ = worker_gradient(CONFIG, model, corpus.worker_batch_tensor("eval", w))
+        b, _ = worker_gradient(CONFIG, model, corpus.worker_batch_tensor("fit", w))
+        mm[w] = np.concatenate([a[order], b[order]])[:BUCKET]
+        if progress and (w % 64 == 0 or w == WORKERS - 1):
+            print(
+                f"worker {w + 1}/{WORKERS} ({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    mm.flush()
+    del mm
+    tmp.replace(raw)
+    source = {
+        "model": "byte-level transformer (dynamiq.data), benchmarks/scale.py's weights",
+        "config": CONFIG.to_dict(),
+        "values_per_step": per_step,
+        "buffer": "worker w: DDP-order gradient on its eval window ++ on its fit window, cut",
+        "final_train_loss": info.get("final_train_loss"),
+        "first_train_loss": (info.get("train_loss_curve") or [None])[0],
+        "seconds": time.perf_counter() - t0,
+    }
+    meta.write_text(json.dumps(source, indent=1))
+    return source
+
+
+def load_buffers() -> tuple[np.memmap, dict[str, Any]]:
+    """The cached buffers (read-only memmap ``[WORKERS, BUCKET]``) and their metadata."""
+    raw, meta = _paths()
+    if not meta.exists():
+        raise SystemExit(f"no buffers at {raw}: run `python benchmarks/round_balance.py --data`")
+    mm = np.memmap(raw, dtype=np.float32, mode="r", shape=(WORKERS, BUCKET))
+    return mm, json.loads(meta.read_text())
+
+
+def _rows(mm: np.memmap, n: int, numel: int):
+    for r in range(n):
+        yield torch.from_numpy(np.array(mm[r, :numel]))
+
+
+def _schedule(name: str, n: int):
+    opts = {"ranks_per_node": RANKS_PER_NODE} if name == "hierarchical" else {}
+    return get_schedule(name, n, **opts)
+
+
+def cell(mm: np.memmap, codec_id: str, schedule: str, n: int, numel: int) -> dict[str, Any]:
+    """One cell's per-round bytes (exact) and their balance."""
+    codec = get_codec(codec_id)
+    load0 = os.getloadavg()[0]
+    t0, c0 = time.perf_counter(), time.process_time()
+    sched = _schedule(schedule, n)
+    if codec_id == "omnireduce":
+        rb = omnireduce_round_nbytes(
+            lambda a, b: np.asarray(mm[:n, a:b]), numel, codec, sched, sub_chunk=SUB_CHUNK
+        )
+        method = "omnireduce_round_nbytes (fp32 sums, a group of chunks at a time)"
+    else:
+        shared = None
+        method = "round_nbytes"
+        if callable(getattr(codec, "prologue_statistics", None)):
+            shared = prologue_shared(codec, _rows(mm, n, numel), sched)
+            method += " + prologue_shared (one rank at a time)"
+        rb = round_nbytes(numel, codec, sched, shared=shared, sub_chunk=SUB_CHUNK)
+    worst, k = round_balance(rb, sched, return_round=True)
+    live = np.array([sched.steps[r][k].send_to is not None for r in range(n)])
+    row = rb[k][live]
+    return {
+        "codec": codec_id,
+        "schedule": schedule,
+        "ranks": n,
+        "values": numel,
+        "round_balance": worst,
+        "worst_round": int(k),
+        "worst_round_largest_bytes": int(row.max()),
+        "worst_round_mean_bytes": float(row.mean()),
+        "bytes_sent_per_rank_mean": float(rb.sum() / n),
+        "rounds": int(rb.shape[0]),
+        "method": method,
+        "seconds": time.perf_counter() - t0,
+        "cpu_seconds": time.process_time() - c0,
+        "load": [load0, os.getloadavg()[0]],
+        "codec_config": repr(codec),
+    }
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    """One line per (values, ranks, schedule): every codec's worst-round balance."""
+    codecs = sorted({r["codec"] for r in rows}, key=list(list_codecs()).index)
+    by = {(r["values"], r["ranks"], r["schedule"], r["codec"]): r for r in rows}
+    lines = [
+        "| values | ranks | schedule | " + " | ".join(f"`{c}`" for c in codecs) + " | s (max) |",
+        "|---:|---:|---|" + "---:|" * len(codecs) + "---:|",
+    ]
+    keys = sorted(
+        {(r["values"], r["ranks"], r["schedule"]) for r in rows},
+        key=lambda k: (-k[0], k[1], SCHEDULES.index(k[2])),
+    )
+    for v, n, s in keys:
+        cells = [by.get((v, n, s, c)) for c in codecs]
+        vals = [f"{c['round_balance']:.3f}" if c else "" for c in cells]
+        secs = max((c["seconds"] for c in cells if c), default=0.0)
+        lines.append(f"| {v:,} | {n} | {s} | " + " | ".join(vals) + f" | {secs:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", action="store_true", help="build the cached buffers and stop")
+    ap.add_argument("--ranks", type=int, action="append", help=f"default {RANKS}")
+    ap.add_argument("--codec", action="append", help="default: every registered codec")
+    ap.add_argument("--schedule", action="append", help=f"default {SCHEDULES}")
+    ap.add_argument("--numel", type=int, action="append", help=f"default {BUCKET}, {FIRST_BUCKET}")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--report", action="store_true", help="print the table from --out")
+    args = ap.parse_args(argv)
+    if args.data:
+        print(json.dumps(build_buffers()))
+        return 0
+    rows: list[dict[str, Any]] = json.loads(args.out.read_text()) if args.out.exists() else []
+    if args.report:
+        print(report(rows))
+        return 0
+    torch.set_num_threads(1)
+    mm, source = load_buffers()
+    done = {(r["codec"], r["schedule"], r["ranks"], r["values"]) for r in rows}
+    for numel in args.numel or (BUCKET, FIRST_BUCKET):
+        for n in args.ranks or RANKS:
+            for schedule in args.schedule or SCHEDULES:
+                for codec in args.codec or list_codecs():
+                    if (codec, schedule, n, numel) in done:
+                        continue
+                    row = cell(mm, codec, schedule, n, numel)
+                    row["data"] = source
+                    rows.append(row)
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    args.out.write_text(json.dumps(rows, indent=1))
+                    brief = {k: v for k, v in row.items() if k not in ("data", "codec_config")}
+                    print(json.dumps(brief), flush=True)
+    print(report(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
