@@ -34,6 +34,7 @@ from dynamiq.codecs.omnireduce import OmniReduceCodec
 
 from .planning import CtxKey, Plan, chunk_layout, prologue_bounds
 from .schedules import Schedule
+from .simulator import batch_fields
 
 __all__ = ["nonzero_blocks", "omnireduce_round_nbytes", "round_balance", "round_nbytes"]
 
@@ -60,14 +61,25 @@ def round_nbytes(
     the chunk bounds it chose, if any, cut the buffer as in the engine. A message's size is
     the sum of ``encoded_nbytes`` over its sub-chunks, with the plan's context at each
     sub-chunk's global offset; ``ValueError`` if one is ``None`` (a size that depends on the
-    data). Time and memory are linear in the plan's messages.
+    data). Time and memory are linear in the plan's messages; for a codec whose sizes read
+    no other field of the context (``simulator.batch_fields`` is empty), one size a chunk,
+    summed over the schedule's steps.
     """
     check_int("numel", numel, 0)
     c = get_codec(codec)
-    plan = Plan(schedule, c, seed=seed, step=step)
     _, pieces = chunk_layout(
         numel, schedule, c, sub_chunk, prologue_bounds(shared, numel, schedule, c)
     )
+    if batch_fields(c) == () and not schedule.codecs():
+        # sizes that read no field of the context but the offset and the shared result (the
+        # simulator's batched codecs): one size a chunk, summed over the steps' sends
+        ctx = HopContext(seed=seed, step=step, world_size=schedule.world_size)
+        size = [_message_nbytes(c, ctx, p, shared) for p in pieces]
+        return np.array(
+            [[sum(size[ch] for ch in st.send_chunks) for st in row] for row in schedule.steps],
+            dtype=np.int64,
+        ).T.copy()
+    plan = Plan(schedule, c, seed=seed, step=step)
     out = np.zeros((plan.stop - plan.start, schedule.world_size), dtype=np.int64)
     sizes: dict[tuple[int, CtxKey, int], int] = {}
     for ops in plan.rounds():
