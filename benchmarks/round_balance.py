@@ -33,6 +33,9 @@ a second step's. The 262,144-value buffer is its first 262,144 values: DDP's 1 M
 (``head``, ``ln_f``, ``blocks.3.fc2``). Cached as a raw fp32 ``[1024, 6553600]`` file in the
 data cache (``$DYNAMIQ_CACHE`` or ``~/.cache/dynamiq``), read one rank's row at a time.
 
+At 8 ranks, ``dynamiq``, ``omnireduce``, ``nvfp4`` and ``int8`` are also simulated in full
+(``simulate_schedule``, 8 x 26 MB) and their ``round_bytes`` compared
+(``equals_simulate_schedule``).
 Each cell records the worst round's largest / mean bytes over the ranks the schedule has send
 in that round (``round_balance``), which round it is, the largest and mean bytes of that round,
 the run's wall and CPU seconds, and the load average. A rerun skips cells already in ``--out``.
@@ -54,7 +57,7 @@ import torch
 from dynamiq.codecs import get_codec, list_codecs
 from dynamiq.collectives import Schedule, get_schedule
 from dynamiq.collectives.balance import omnireduce_round_nbytes, round_balance, round_nbytes
-from dynamiq.collectives.simulator import prologue_shared
+from dynamiq.collectives.simulator import prologue_shared, simulate_schedule
 from dynamiq.data import DataConfig, default_cache_dir
 
 WORKERS = 1024
@@ -66,6 +69,8 @@ RANKS_PER_NODE = 8
 SUB_CHUNK = 1 << 18  # the engine's default
 #: the order cells run in (the issue's codecs first), then every other registered codec
 FIRST = ("dynamiq", "omnireduce", "thc", "mxfp8_e4m3", "int8", "mxfp4", "nvfp4", "bf16")
+#: cells also simulated in full (``simulate_schedule``) and compared, byte for byte
+CHECK_RANKS, CHECK_CODECS = 8, ("dynamiq", "omnireduce", "nvfp4", "int8")
 PRIORITY = (*FIRST, *(c for c in list_codecs() if c not in FIRST))
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "docs" / "data" / "round-balance.json"
 CONFIG = DataConfig(max_workers=WORKERS, train_steps=80, worker_batch=1)
@@ -166,6 +171,14 @@ def cell(mm: np.memmap, codec_id: str, sched: Schedule, numel: int) -> dict[str,
             shared = prologue_shared(codec, _rows(mm, n, numel), sched)
             method += " + prologue_shared (one rank at a time)"
         rb = round_nbytes(numel, codec, sched, shared=shared, sub_chunk=SUB_CHUNK)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    checked = None
+    if n <= CHECK_RANKS and codec_id in CHECK_CODECS:  # the full simulation, where it fits
+        xs = list(_rows(mm, n, numel))
+        sim = simulate_schedule(xs, codec, sched, sub_chunk=SUB_CHUNK, return_bound=False)
+        checked = bool(np.array_equal(sim.round_bytes, rb))
+        if not checked:
+            raise AssertionError(f"{codec_id} {sched.name} {n}: the instrument is not exact")
     worst, k = round_balance(rb, sched, return_round=True)
     live = np.array([sched.steps[r][k].send_to is not None for r in range(n)])
     row = rb[k][live]
@@ -181,8 +194,9 @@ def cell(mm: np.memmap, codec_id: str, sched: Schedule, numel: int) -> dict[str,
         "bytes_sent_per_rank_mean": float(rb.sum() / n),
         "rounds": int(rb.shape[0]),
         "method": method,
-        "seconds": time.perf_counter() - t0,
-        "cpu_seconds": time.process_time() - c0,
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "equals_simulate_schedule": checked,
         "load": [load0, os.getloadavg()[0]],
         "codec_config": repr(codec),
     }
