@@ -226,11 +226,11 @@ def report(rows: list[dict[str, Any]]) -> str:
         ]
         rest = [r for r in here if r["codec"] not in COLUMNS]
         worst = max(rest, key=lambda r: r["round_balance"], default=None)
-        other = (
-            f"{worst['round_balance']:.3f} (`{worst['codec']}`, {len(rest)} codecs)"
-            if worst
-            else ""
-        )
+        other = ""
+        if worst is not None:
+            tie = all(r["round_balance"] == worst["round_balance"] for r in rest)
+            who = f"all {len(rest)}" if tie else f"`{worst['codec']}`, of {len(rest)}"
+            other = f"{worst['round_balance']:.3f} ({who})"
         secs = max(r["seconds"] for r in here)
         lines.append(f"| {v:,} | {n} | {s} | " + " | ".join(vals) + f" | {other} | {secs:.0f} |")
     return "\n".join(lines)
