@@ -64,6 +64,13 @@ def round_nbytes(
     data). Time and memory are linear in the plan's messages; for a codec whose sizes read
     no other field of the context (``simulator.batch_fields`` is empty), one size a chunk,
     summed over the schedule's steps.
+
+    >>> from dynamiq.collectives import get_schedule
+    >>> ring = get_schedule("ring", 4)
+    >>> round_nbytes(1000, "int8", ring)[:2].tolist()  # rank 0 sends the short chunk first
+    [[248, 272, 272, 272], [272, 248, 272, 272]]
+    >>> round(round_balance(round_nbytes(1000, "int8", ring), ring), 3)
+    1.023
     """
     check_int("numel", numel, 0)
     c = get_codec(codec)
