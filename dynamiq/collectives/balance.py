@@ -81,9 +81,9 @@ def round_nbytes(
         # sizes that read no field of the context but the offset and the shared result (the
         # simulator's batched codecs): one size a chunk, summed over the steps' sends
         ctx = HopContext(seed=seed, step=step, world_size=schedule.world_size)
-        size = [_message_nbytes(c, ctx, p, shared) for p in pieces]
+        per_chunk = [_message_nbytes(c, ctx, p, shared) for p in pieces]
         return np.array(
-            [[sum(size[ch] for ch in st.send_chunks) for st in row] for row in schedule.steps],
+            [[sum(per_chunk[ch] for ch in st.send_chunks) for st in row] for row in schedule.steps],
             dtype=np.int64,
         ).T.copy()
     plan = Plan(schedule, c, seed=seed, step=step)
