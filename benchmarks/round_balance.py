@@ -212,7 +212,7 @@ def report(rows: list[dict[str, Any]]) -> str:
     by = {(r["values"], r["ranks"], r["schedule"], r["codec"]): r for r in rows}
     head = " | ".join(f"`{c}`" for c in COLUMNS)
     lines = [
-        f"| values | ranks | schedule | {head} | every other codec (worst) | s (slowest cell) |",
+        f"| values | ranks | schedule | {head} | every other codec (worst) | slowest: s (CPU s) |",
         "|---:|---:|---|" + "---:|" * len(COLUMNS) + "---:|---:|",
     ]
     keys = sorted(
@@ -231,8 +231,9 @@ def report(rows: list[dict[str, Any]]) -> str:
             tie = all(r["round_balance"] == worst["round_balance"] for r in rest)
             who = f"all {len(rest)}" if tie else f"`{worst['codec']}`, of {len(rest)}"
             other = f"{worst['round_balance']:.3f} ({who})"
-        secs = max(r["seconds"] for r in here)
-        lines.append(f"| {v:,} | {n} | {s} | " + " | ".join(vals) + f" | {other} | {secs:.0f} |")
+        slow = max(here, key=lambda r: r["seconds"])
+        secs = f"{slow['seconds']:.0f} ({slow['cpu_seconds']:.0f})"
+        lines.append(f"| {v:,} | {n} | {s} | " + " | ".join(vals) + f" | {other} | {secs} |")
     return "\n".join(lines)
 
 
