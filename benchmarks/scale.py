@@ -44,6 +44,7 @@ import torch
 
 from dynamiq.codecs import get_codec
 from dynamiq.collectives import Schedule, get_schedule
+from dynamiq.collectives.balance import round_balance
 from dynamiq.collectives.simulator import simulate_schedule
 from dynamiq.data import DataConfig, default_cache_dir
 
@@ -82,7 +83,7 @@ def gradients(
     out = np.empty((workers, values), dtype=np.float32)
     t0 = time.perf_counter()
     for w in range(workers):
-        flat, _ = worker_gradient(model, corpus.worker_batch_tensor("eval", w))
+        flat, _ = worker_gradient(cfg, model, corpus.worker_batch_tensor("eval", w))
         out[w] = flat[idx]
         if progress and (w % 64 == 0 or w == workers - 1):
             print(f"worker {w + 1}/{workers} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
@@ -91,16 +92,6 @@ def gradients(
     np.save(tmp, out)
     tmp.replace(path)
     return torch.from_numpy(out), source
-
-
-def round_balance(round_bytes: np.ndarray, sched: Schedule) -> float:
-    """Worst round's largest / mean bytes over the ranks the schedule has send in it."""
-    sends = np.array([[st.send_to is not None for st in row] for row in sched.steps]).T
-    worst = 1.0
-    for row, live in zip(round_bytes, sends, strict=True):
-        if live.any() and row[live].mean() > 0:
-            worst = max(worst, float(row[live].max() / row[live].mean()))
-    return worst
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,6 +3,7 @@
 What a user needs is here; the parts stay importable from their modules:
 :mod:`~dynamiq.collectives.engine` (``ScheduleRun``, ``run_schedule``),
 :mod:`~dynamiq.collectives.planning` (``plan_schedule``, ``chunk_layout``),
+:mod:`~dynamiq.collectives.balance` (bytes per round at scale, without the ranks' buffers),
 :mod:`~dynamiq.collectives.schedules` (``Step``, ``ScheduleError``, ``ring``, ``butterfly``,
 ``tree``, ``hierarchical``), :mod:`~dynamiq.collectives.transport` (``Transport``,
 ``TorchDistTransport``, ``LocalCluster``, ``LocalTransport``),
@@ -20,6 +21,7 @@ from .api import (
     reduce_scatter,
     simulate_allreduce,
 )
+from .balance import round_nbytes
 from .handshake import ConfigMismatchError
 from .options import CollectiveOptions
 from .planning import chunk_sizes
@@ -41,5 +43,6 @@ __all__ = [
     "get_schedule",
     "list_schedules",
     "reduce_scatter",
+    "round_nbytes",
     "simulate_allreduce",
 ]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,7 @@ from .integrity import message_extra
 from .planning import CtxKey, Plan, chunk_layout, layout_align, prologue_bounds
 from .schedules import Schedule
 
-__all__ = ["SimRun", "batch_fields", "simulate_schedule"]
+__all__ = ["SimRun", "batch_fields", "prologue_shared", "simulate_schedule"]
 
 #: codec classes (exactly these, not subclasses) whose encode, decode, size and bound read
 #: no field of the HopContext
@@ -513,22 +513,20 @@ class _Sim:
         same result as the engine's ring (:meth:`PrologueComm.allreduce`), whose bytes are
         counted (each rank sends every piece but one in each half, receives likewise)."""
         chunks = list(self.bounds)
-        stats = [codec.prologue_statistics(xs[r], r, chunks) for r in range(self.n)]
-        if stats[0] is None:  # the codec's prologue has nothing to agree on here
+        got = _reduce_statistics(
+            codec, (codec.prologue_statistics(xs[r], r, chunks) for r in range(self.n))
+        )
+        if got is None:  # the codec's prologue has nothing to agree on here
             self.shared = [None] * self.n
             return
-        stack = torch.stack([s.to(torch.int64) for s in stats])
-        op = codec.prologue_op
-        red = stack.amax(0) if op == "max" else stack.amin(0) if op == "min" else stack.sum(0)
-        shared = codec.prologue_result(
-            red.to(stats[0].dtype), xs[0].numel(), self.n, chunks, self.align
-        )
+        red, first = got
+        shared = codec.prologue_result(red, xs[0].numel(), self.n, chunks, self.align)
         self.shared = [shared] * self.n
-        n, length, size = self.n, stats[0].numel(), stats[0].element_size()
+        n, length, size = self.n, first.numel(), first.element_size()
         if n == 1:
             return
         piece = [length * (i + 1) // n - length * i // n for i in range(n)]
-        seal = message_extra(stats[0]) * size  # each non-empty message is sealed
+        seal = message_extra(first) * size  # each non-empty message is sealed
         for r in range(n):
             self.sent[r] += size * (2 * length - piece[(r + 1) % n] - piece[(r + 2) % n])
             self.received[r] += size * (2 * length - piece[r] - piece[(r + 1) % n])
@@ -573,6 +571,73 @@ class _Sim:
             )
         self.tick("decode", t)
         return results
+
+
+def _reduce_statistics(
+    codec: Any, stats: Iterable[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The exact all-reduce (``codec.prologue_op``: max, min or sum, in int64) of the ranks'
+    prologue statistics, taken one rank at a time, in their dtype; and rank 0's statistics
+    (their shape and dtype). ``None`` when the statistics are ``None`` (nothing to agree on)."""
+    op = codec.prologue_op
+    acc: torch.Tensor | None = None
+    first: torch.Tensor | None = None
+    for s in stats:
+        if s is None:
+            return None
+        v = s.to(torch.int64)
+        if acc is None:
+            acc, first = v, s
+        elif op == "max":
+            acc = torch.maximum(acc, v)
+        elif op == "min":
+            acc = torch.minimum(acc, v)
+        else:
+            acc = acc + v
+    if acc is None or first is None:
+        return None
+    return acc.to(first.dtype), first
+
+
+def prologue_shared(
+    codec: Codec, buffers: Iterable[torch.Tensor], schedule: Schedule
+) -> Mapping[str, Any] | None:
+    """What every rank's prologue returns (``HopContext.shared``) for a codec whose prologue is
+    one exact all-reduce of per-rank statistics (``prologue_statistics``, ``prologue_op``,
+    ``prologue_result``: pooled DynamiQ, nvfp4's tensor scale), taken one rank at a time:
+    ``buffers`` yields rank 0's whole buffer, then rank 1's, ... (``schedule.world_size`` of
+    them; they may be made lazily), so memory holds one buffer and the running reduction. The
+    same result as the engine's prologue and :func:`simulate_schedule`'s. ``None`` for a codec
+    without a prologue or with nothing to agree on; ``TypeError`` for another kind of prologue
+    (an all-gather, a rank's own rule)."""
+    if not callable(getattr(codec, "prologue", None)):
+        return None
+    if not callable(getattr(codec, "prologue_statistics", None)):
+        raise TypeError(f"{codec!r}'s prologue is not an all-reduce of statistics")
+    n = schedule.world_size
+    chunks: list[tuple[int, int]] | None = None
+    numel = -1
+
+    def stats() -> Iterator[torch.Tensor | None]:
+        nonlocal chunks, numel
+        count = 0
+        for r, x in enumerate(buffers):
+            if chunks is None:
+                numel = x.numel()
+                chunks = list(chunk_layout(numel, schedule, codec, 1)[0])
+            elif x.numel() != numel:
+                raise ValueError(f"rank {r}'s buffer has {x.numel()} values, rank 0's {numel}")
+            count += 1
+            yield codec.prologue_statistics(x, r, chunks)  # type: ignore[attr-defined]
+        if count != n:
+            raise ValueError(f"schedule is for {n} ranks, got {count} buffers")
+
+    got = _reduce_statistics(codec, stats())
+    if got is None:
+        return None
+    return codec.prologue_result(  # type: ignore[attr-defined]
+        got[0], numel, n, chunks, layout_align(schedule, codec)
+    )
 
 
 def _same(a: Any, b: Any) -> bool:
