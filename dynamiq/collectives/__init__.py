@@ -21,7 +21,6 @@ from .api import (
     reduce_scatter,
     simulate_allreduce,
 )
-from .balance import round_nbytes
 from .handshake import ConfigMismatchError
 from .options import CollectiveOptions
 from .planning import chunk_sizes
@@ -43,6 +42,5 @@ __all__ = [
     "get_schedule",
     "list_schedules",
     "reduce_scatter",
-    "round_nbytes",
     "simulate_allreduce",
 ]
