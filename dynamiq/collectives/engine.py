@@ -835,8 +835,9 @@ class ScheduleRun:
         """Whether round ``k + 1``'s sends may start during round ``k``: only on round
         ``k``'s own connection (a ring's every round, butterfly's rounds with one partner).
         Early bytes to another peer share this rank's link with round ``k``'s, which every
-        partner waits for: measured on the emulated cluster, that made butterfly 5-18 %
-        slower (docs/benchmarks.md, "Sending ahead only on the same connection")."""
+        partner waits for: measured on the emulated cluster at 100 Mbit/s, that made
+        butterfly up to 19 % slower (docs/benchmarks.md, "... early sends only on the same
+        connection")."""
         if not (self.overlap and k + 1 < len(self.plan)):
             return False
         return self.plan[k + 1].send_to == self.plan[k].send_to
