@@ -1,6 +1,6 @@
 """Early sends to another peer or not: the engine against its previous policy on the emulated
-cluster (4 ranks, one namespace each; needs root), docs/benchmarks.md, "Sending ahead only on
-the same connection".
+cluster (4 ranks, one namespace each; needs root), docs/benchmarks.md, "Reduce-scatter without
+the up-front copy; early sends only on the same connection".
 
     sudo .venv/bin/python -m benchmarks.send_ahead --rate 100mbit --codecs fp32,mxfp8_e4m3,dynamiq
 
