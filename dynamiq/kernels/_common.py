@@ -212,8 +212,12 @@ def f32_to_bf16_bits(bits):
 # -- element formats (dynamiq.codecs.formats.ElementFormat, saturate=True) ----------------------
 
 #: ``SPECIALS`` meta-parameter of an element format (``ElementFormat.specials``; the codes of
-#: ``dynamiq/codecs/_codes.py``, which the ``SPECIALS == k`` tests below spell out)
+#: ``dynamiq/codecs/_codes.py``)
 SPECIALS = _codes.SPECIALS
+# the same codes as the JIT functions below compare them (constexpr globals)
+SPEC_IEEE: tl.constexpr = tl.constexpr(_codes.SPECIALS["ieee"])
+SPEC_FN: tl.constexpr = tl.constexpr(_codes.SPECIALS["fn"])
+SPEC_INT: tl.constexpr = tl.constexpr(_codes.SPECIALS["int"])
 
 
 @triton.jit
@@ -241,7 +245,7 @@ def encode_element(
     # 2^-scale_exp: 2^-127 is an fp32 subnormal
     inv = bits_to_f32(tl.where(scale_exp == 127, 1 << 22, (127 - scale_exp) << 23))
     y = bits_to_f32(a) * inv
-    if SPECIALS == 3:
+    if SPECIALS == SPEC_INT:
         r = (y * (2.0**NMANT) + 8388608.0) - 8388608.0
         mag = tl.minimum(r.to(tl.int32), MAX_CODE)
         code = tl.where(bits < 0, (-mag) & 0xFF, mag)
@@ -272,7 +276,7 @@ def decode_element(
     """``ElementFormat.decode``: fp32 value of ``code`` (int32). The magnitude bits shifted
     into an fp32's place read as a value ``2^(127 - BIAS)`` too small (a subnormal code as an
     fp32 subnormal), then scaled by that exact power of two."""
-    if SPECIALS == 3:
+    if SPECIALS == SPEC_INT:
         # exact: |code| <= 2^7, power-of-two factor
         val = sign_extend(code, BITS).to(tl.float32) * (2.0**-NMANT)
     else:
@@ -280,11 +284,11 @@ def decode_element(
         val = bits_to_f32(mag << (23 - NMANT)) * (2.0 ** (127 - BIAS))
         sign = (code >> (BITS - 1)) << 31
         val = bits_to_f32(f32_to_bits(val) | sign)
-        if SPECIALS == 0:  # IEEE: exponent all ones is Inf (mantissa 0) or NaN
+        if SPECIALS == SPEC_IEEE:  # IEEE: exponent all ones is Inf (mantissa 0) or NaN
             inf = bits_to_f32(0x7F800000 | sign)
             nan_or_inf = tl.where((mag & ((1 << NMANT) - 1)) == 0, inf, float("nan"))
             val = tl.where((mag >> NMANT) == (1 << NEXP) - 1, nan_or_inf, val)
-        elif SPECIALS == 1:  # "fn": only the all-ones magnitude is NaN
+        elif SPECIALS == SPEC_FN:  # "fn": only the all-ones magnitude is NaN
             val = tl.where(mag == (1 << (BITS - 1)) - 1, float("nan"), val)
     return val
 

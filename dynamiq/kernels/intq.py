@@ -78,6 +78,11 @@ NUM_WARPS = 4
 
 # scale formats: code, significant bits P, exponent of the smallest positive value GMIN
 _FMT = {k: (f.code, f.p, f.gmin) for k, f in SCALE_CODES.items()}
+# the scale-format codes as the JIT functions below compare them (constexpr globals)
+FMT_BF16: tl.constexpr = tl.constexpr(SCALE_CODES["bf16"].code)
+FMT_FP16: tl.constexpr = tl.constexpr(SCALE_CODES["fp16"].code)
+FMT_FP32: tl.constexpr = tl.constexpr(SCALE_CODES["fp32"].code)
+FMT_E8M0: tl.constexpr = tl.constexpr(SCALE_CODES["e8m0"].code)
 
 
 # -- scales -----------------------------------------------------------------------------------
@@ -98,7 +103,7 @@ def _int_scale(
     significant bits, smallest positive value ``2^GMIN``) with ``S * QMAX >= absmax``; 0 for
     an all-zero block (E8M0: 2^-127); NaN when the block holds NaN/Inf. ``KQ = floor(log2
     QMAX)``. bf16 (the default) with float operations, the others with integer ones."""
-    if FMT == 0:
+    if FMT == FMT_BF16:
         scale, stored, over = _bf16_int_scale(a, QMAX, MAX_IN_BITS)
     else:
         scale, stored, over = _int_scale_bits(a, QMAX, KQ, P, GMIN, FMT, MAX_IN_BITS)
@@ -138,15 +143,15 @@ def _int_scale_bits(
     sub_f32 = (n << tl.minimum(tl.maximum(ge + 149, 0), 31)).to(tl.int32)
     f32 = tl.where(ed >= -126, ((ed + 127) << 23) | man23, sub_f32)
     f32 = tl.where(a == 0, 0, f32)
-    if FMT == 3:
+    if FMT == FMT_E8M0:
         f32 = tl.where(a == 0, 1 << 22, f32)  # E8M0 has no zero: 2^-127
     # the stored bits
-    if FMT == 1:
+    if FMT == FMT_FP16:
         man10 = (((n << 10) >> ln) & 0x3FF).to(tl.int32)
         sub16 = (n << tl.minimum(tl.maximum(ge + 24, 0), 31)).to(tl.int32)
         h = tl.where(ed >= -14, ((ed + 15) << 10) | man10, sub16)
         stored = tl.where(finite, tl.where(a == 0, 0, h), NAN_F16)
-    elif FMT == 2:
+    elif FMT == FMT_FP32:
         stored = tl.where(finite, f32, NAN_F32)
     else:
         stored = tl.where(finite, tl.where(a == 0, 0, ed + 127), 0xFF)
@@ -180,11 +185,11 @@ def _load_scale(ptr, blk, mask, FMT: tl.constexpr, SB: tl.constexpr):
     if SB == 4:
         raw |= tl.load(ptr + blk * SB + 2, mask=mask, other=0).to(tl.int32) << 16
         raw |= tl.load(ptr + blk * SB + 3, mask=mask, other=0).to(tl.int32) << 24
-    if FMT == 0:
+    if FMT == FMT_BF16:
         s = bits_to_f32(raw << 16)
-    elif FMT == 1:
+    elif FMT == FMT_FP16:
         s = bits_to_f32(f16_bits_to_f32_bits(raw))
-    elif FMT == 2:
+    elif FMT == FMT_FP32:
         s = bits_to_f32(raw)
     else:
         s = bits_to_f32(tl.where(raw == 0, 1 << 22, raw << 23))

@@ -76,3 +76,18 @@ def test_no_other_copy_of_the_codes() -> None:
     cpp = re.compile(r"\bfmt\s*[=!]=\s*\d|\bSPEC_\w+\s*=\s*\d|FMT_(?:P|GMIN|BYTES|NAN)\b")
     for path in (ROOT / "kernels" / "csrc").iterdir():
         assert not cpp.search(path.read_text(encoding="utf-8")), path
+
+
+def test_the_triton_functions_compare_named_codes() -> None:
+    """The Triton JIT functions compare a specials or scale-format meta-parameter with the
+    constexpr names derived from the table, never a number (``SPECIALS == 3``), and those
+    names hold the table's codes."""
+    from dynamiq.kernels import _common, intq
+
+    literal = re.compile(r"\b(?:E_|S_)?(?:SPECIALS|FMT)\s*[=!]=\s*\d")
+    for path in (ROOT / "kernels").glob("*.py"):
+        assert not literal.search(path.read_text(encoding="utf-8")), path
+    for name in ("ieee", "fn", "int"):
+        assert getattr(_common, f"SPEC_{name.upper()}").value == _codes.SPECIALS[name]
+    for name, f in _codes.SCALE_FORMATS.items():
+        assert getattr(intq, f"FMT_{name.upper()}").value == f.code
