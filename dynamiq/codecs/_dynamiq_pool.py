@@ -775,3 +775,53 @@ def gathered(codec: DynamiqCodec, shared: Any, budgets: list[torch.Tensor], nume
         fixed=fixed,
     )
     return {**shared, SHARED_KEY: pool}
+
+
+def pool_tensors(shared: Any) -> list[torch.Tensor]:
+    """The pool in ``shared`` as tensors (``[]`` without one), the form in which it crosses a
+    ``torch.library`` op: the demand, the spans' lengths, one int64 tensor of the buffer's
+    length, the regions and each region's first span, and the fixed budgets (``[]`` unless
+    :func:`gathered` made the pool). Memoized in the pool."""
+    pool = _pool_of(shared)
+    if pool is None:
+        return []
+    got = pool.kernel_memo.get("tensors")
+    if got is None:
+        flat = [pool.numel, len(pool.regions), *itertools.chain(*pool.regions), *pool.first]
+        fixed = pool.fixed if pool.fixed is not None else torch.zeros(0, dtype=torch.int64)
+        got = [pool.demand, pool.lens, torch.tensor(flat, dtype=torch.int64), fixed]
+        pool.kernel_memo["tensors"] = got
+    return list(got)
+
+
+#: the last pools rebuilt by :func:`pool_from_tensors`, by the identity of their demand tensor
+_FROM_TENSORS: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
+
+
+def pool_from_tensors(tensors: list[torch.Tensor]) -> dict[str, Any] | None:
+    """``{SHARED_KEY: pool}`` from :func:`pool_tensors`'s tensors (``None`` from ``[]``); the
+    same tensors give the same object (so its memos stay warm)."""
+    if not tensors:
+        return None
+    if len(tensors) != 4:
+        raise ValueError(f"dynamiq: a pool crosses as 4 tensors (got {len(tensors)})")
+    demand, lens, meta, fixed = tensors
+    got = _FROM_TENSORS.get(id(demand))
+    if got is not None and got[0] is demand:
+        return got[1]
+    flat = [int(v) for v in meta.tolist()]
+    numel, n_regions = flat[0], flat[1]
+    ends = flat[2 : 2 + 2 * n_regions]
+    regions = tuple((ends[2 * i], ends[2 * i + 1]) for i in range(n_regions))
+    pool = Pool(
+        demand=demand.to(torch.int64).cpu(),
+        lens=lens.to(torch.int64).cpu(),
+        numel=numel,
+        regions=regions,
+        first=tuple(flat[2 + 2 * n_regions :]),
+        fixed=fixed.to(torch.int64).cpu() if fixed.numel() else None,
+    )
+    if len(_FROM_TENSORS) >= 64:
+        _FROM_TENSORS.clear()
+    out = _FROM_TENSORS[id(demand)] = (demand, {SHARED_KEY: pool})
+    return out[1]

@@ -298,6 +298,29 @@ class Codec:
         """The codec's certified error bound."""
         raise NotImplementedError
 
+    # -- the prologue's result across a torch.library op (dynamiq/kernels/_ops.py) ----------
+
+    def shared_tensors(self, shared: Mapping[str, Any] | None) -> list[torch.Tensor]:
+        """``ctx.shared`` as tensors, the form in which it crosses a ``torch.library`` op
+        (:meth:`shared_from_tensors` inverts it). A codec with a prologue overrides both;
+        by default only ``None`` (no prologue result) crosses."""
+        if shared is None:
+            return []
+        raise NotImplementedError(
+            f"codec {self.codec_id!r} ({type(self).__qualname__}) cannot pass ctx.shared "
+            "through a torch.library op (torch.compile, fake tensors): define its "
+            "shared_tensors and shared_from_tensors"
+        )
+
+    def shared_from_tensors(self, tensors: list[torch.Tensor]) -> Mapping[str, Any] | None:
+        """The ``ctx.shared`` that :meth:`shared_tensors` made ``tensors`` from (what the
+        kernels read of it)."""
+        if not tensors:
+            return None
+        raise NotImplementedError(
+            f"codec {self.codec_id!r} ({type(self).__qualname__}) defines no shared_from_tensors"
+        )
+
     # -- checks -----------------------------------------------------------------------------
 
     def _check_payload(self, payload: torch.Tensor, numel: int, ctx: HopContext) -> None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -228,6 +229,17 @@ class BlockCodec(Codec):
         if shared is not None and TENSOR_AMAX_KEY in shared:
             return self.tensor_exp(int(shared[TENSOR_AMAX_KEY]), ctx.contributions)
         return self.tensor_exp(finite_absmax_bits(x), 1)
+
+    def shared_tensors(self, shared: Mapping[str, Any] | None) -> list[torch.Tensor]:
+        """The agreed absmax's bits as one int64 tensor (``[]`` without it)."""
+        if shared is None or TENSOR_AMAX_KEY not in shared:
+            return []
+        return [torch.tensor([int(shared[TENSOR_AMAX_KEY])], dtype=torch.int64)]
+
+    def shared_from_tensors(self, tensors: list[torch.Tensor]) -> Mapping[str, Any] | None:
+        if not tensors:
+            return None
+        return {TENSOR_AMAX_KEY: int(tensors[0].reshape(-1)[0])}
 
     def fits_kernels(self) -> bool:
         """Whether the generic kernels implement this declaration: rule ``"nearest"``, 4- or

@@ -105,7 +105,7 @@ import functools
 import itertools
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -430,6 +430,14 @@ class DynamiqCodec(Codec):
             return None
         assert ctx is not None
         return _pool.chunk_kernel_ptrs(self, shared, numel, ctx.offset, self._bits_at(ctx))
+
+    def shared_tensors(self, shared: Mapping[str, Any] | None) -> list[torch.Tensor]:
+        """The prologue's pool as tensors (``[]`` without one:
+        :func:`~dynamiq.codecs._dynamiq_pool.pool_tensors`)."""
+        return _pool.pool_tensors(shared)
+
+    def shared_from_tensors(self, tensors: list[torch.Tensor]) -> Mapping[str, Any] | None:
+        return _pool.pool_from_tensors(tensors)
 
     def _kernel_memo(self, ctx: HopContext | None) -> dict[Any, Any] | None:
         """Where a kernel may memoize what depends on the prologue's result in ``ctx.shared``

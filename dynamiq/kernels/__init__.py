@@ -238,6 +238,12 @@ def reduce(
 
 
 def _encode(codec: Codec, x: torch.Tensor, ctx: HopContext, backend: str) -> torch.Tensor:
+    if _routed(x):
+        return _op_module().encode(codec, x, ctx, backend)
+    return _encode_direct(codec, x, ctx, backend)
+
+
+def _encode_direct(codec: Codec, x: torch.Tensor, ctx: HopContext, backend: str) -> torch.Tensor:
     plan = _plan(codec, "encode", x, backend)
     numel = x.numel()
     fn = plan.pick(numel)
@@ -253,6 +259,14 @@ def _encode(codec: Codec, x: torch.Tensor, ctx: HopContext, backend: str) -> tor
 
 
 def _decode(
+    codec: Codec, payload: torch.Tensor, numel: int, ctx: HopContext, backend: str
+) -> torch.Tensor:
+    if _routed(payload):
+        return _op_module().decode(codec, payload, numel, ctx, backend)
+    return _decode_direct(codec, payload, numel, ctx, backend)
+
+
+def _decode_direct(
     codec: Codec, payload: torch.Tensor, numel: int, ctx: HopContext, backend: str
 ) -> torch.Tensor:
     plan = _plan(codec, "decode", payload, backend)
@@ -276,6 +290,19 @@ def _reduce(
     out_ctx: HopContext,
     backend: str,
 ) -> torch.Tensor:
+    if _routed(local) or type(payload) is not torch.Tensor:
+        return _op_module().reduce(codec, payload, local, ctx, out_ctx, backend)
+    return _reduce_direct(codec, payload, local, ctx, out_ctx, backend)
+
+
+def _reduce_direct(
+    codec: Codec,
+    payload: torch.Tensor,
+    local: torch.Tensor,
+    ctx: HopContext,
+    out_ctx: HopContext,
+    backend: str,
+) -> torch.Tensor:
     plan = _plan(codec, "reduce", local, backend)
     numel = local.numel()
     fn = plan.pick(numel)
@@ -288,6 +315,23 @@ def _reduce(
     out = fn(codec, payload, local, ctx, out_ctx)
     _LOCAL.backend = plan.backend
     return out
+
+
+def _routed(t: torch.Tensor) -> bool:
+    """Whether a call goes through the ``torch.library`` ops (:mod:`dynamiq.kernels._ops`):
+    while ``torch.compile`` traces it, and for tensors that hold no data of their own (fake,
+    meta and other subclasses); plain eager tensors call the kernels directly."""
+    return _is_compiling() or type(t) is not torch.Tensor or t.is_meta
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def _op_module() -> types.ModuleType:
+    """:mod:`dynamiq.kernels._ops`, imported (and the ops registered) at the first routed call."""
+    from . import _ops
+
+    return _ops
 
 
 def _reference(codec: Codec, op: str, device: torch.device, numel: int, *args: Any) -> Any:
