@@ -115,7 +115,7 @@ def _ints(ctx: HopContext) -> list[int]:
 
 def _ctx(codec: Codec, ints: list[int], shared: list[torch.Tensor]) -> HopContext:
     mapping: Mapping[str, Any] | None = codec.shared_from_tensors(list(shared))
-    return HopContext(*ints, shared=mapping)
+    return HopContext(**dict(zip(_INT_FIELDS, ints, strict=True)), shared=mapping)
 
 
 # -- what the callers (dynamiq.kernels' validated entry points) call ---------------------------
