@@ -7,10 +7,15 @@ values (4,096 by default) with one torch thread, the median time of one call of
   ``codec.reduce(...)``: the default backend, which runs the native kernel at this size);
 * ``cpu``: ``dynamiq.kernels.encode(codec, x, ctx, backend="cpu")`` (and ``decode``,
   ``reduce``);
+* ``op``: the ``torch.library`` op (``torch.ops.dynamiq.encode.default`` ...,
+  dynamiq/kernels/_ops.py) as a ``torch.compile`` graph calls it: its arguments (the codec's
+  configuration, the hop context's ints, ``ctx.shared`` as tensors, the size) built once,
+  ``backend="cpu"``;
 * ``floor``: the native entry point itself (``dq_*_run``) on the very argument structure the
   dispatched call built, its output buffers already allocated: the kernel's own time.
 
-``overhead = cpu - floor`` is what the dispatch costs on top of the kernel. The floor is
+``overhead = cpu - floor`` is what the dispatch costs on top of the kernel, ``op_overhead = op
+- floor`` what the op costs. The floor is
 captured by wrapping the library's entry point during one dispatched call and timing the
 direct calls inside the wrapper, so every pointer it holds (DynamiQ's pooled budgets
 included) is alive while it runs; it does not depend on how the dispatcher builds its
@@ -18,11 +23,7 @@ arguments. Codecs with a prologue run under the hop context a one-rank collectiv
 (``ctx.shared`` its result). Codecs without a native kernel (``thc``, ``omnireduce``) are
 listed with their ``public`` time only (their reference).
 
-``--library`` times a ``torch.library`` op around ``int8``'s native encode instead (see
-:func:`library_probe`).
-
     python benchmarks/dispatch_overhead.py [--numel 4096] [--calls 2000] [--json]
-    python benchmarks/dispatch_overhead.py --library
     python benchmarks/dispatch_overhead.py --fresh [--calls 2000]
 
 ``--fresh`` times ``dynamiq`` at a new chunk of a pooled buffer each call (see :func:`fresh`):
@@ -89,25 +90,38 @@ def _floor_us(lib: Any, call: Callable[[], Any], calls: int) -> float | None:
     return found[0] if found else None
 
 
-def _cases(codec: Any, n: int) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
-    """op -> (public call, ``backend="cpu"`` call)."""
+def _cases(codec: Any, n: int) -> dict[str, tuple[Callable[[], Any], ...]]:
+    """op -> (public call, ``backend="cpu"`` call, the ``torch.library`` op as a compiled
+    graph calls it: its arguments built once, ``backend="cpu"``)."""
     import torch
 
     import dynamiq.kernels as K
+    from dynamiq.kernels import _ops
 
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     local = torch.randn(n, generator=torch.Generator().manual_seed(1))
     ctx = _context(codec, x, local)
     payload = codec.encode(x, ctx)
+    key, ints, shared = _ops._codec_key(codec), _ops._ints(ctx), codec.shared_tensors(ctx.shared)
+    nbytes = _ops._size(codec, n, ctx)
+    ops = torch.ops.dynamiq
     return {
-        "encode": (lambda: codec.encode(x, ctx), lambda: K.encode(codec, x, ctx, backend="cpu")),
+        "encode": (
+            lambda: codec.encode(x, ctx),
+            lambda: K.encode(codec, x, ctx, backend="cpu"),
+            lambda: ops.encode.default(x, key, ints, shared, nbytes, "cpu"),
+        ),
         "decode": (
             lambda: codec.decode(payload, n, ctx),
             lambda: K.decode(codec, payload, n, ctx, backend="cpu"),
+            lambda: ops.decode.default(payload, n, key, ints, shared, "cpu"),
         ),
         "reduce": (
             lambda: codec.reduce(payload, local, ctx, ctx),
             lambda: K.reduce(codec, payload, local, ctx, ctx, backend="cpu"),
+            lambda: ops.reduce.default(
+                payload, local, key, ints, shared, ints, shared, nbytes, "cpu"
+            ),
         ),
     }
 
@@ -137,51 +151,17 @@ def measure(names: list[str], n: int, calls: int) -> list[dict[str, Any]]:
     for name in names:
         codec = get_codec(name)
         native = cpu_native.kernel(codec, "encode") is not None
-        for op, (public, cpu) in _cases(codec, n).items():
+        for op, (public, cpu, library) in _cases(codec, n).items():
             row: dict[str, Any] = {"codec": name, "op": op, "public_us": _median_us(public, calls)}
             if native:
                 row["cpu_us"] = _median_us(cpu, calls)
+                row["op_us"] = _median_us(library, calls)
                 row["floor_us"] = _floor_us(lib, cpu, calls)
                 if row["floor_us"] is not None:
                     row["overhead_us"] = row["cpu_us"] - row["floor_us"]
+                    row["op_overhead_us"] = row["op_us"] - row["floor_us"]
             rows.append(row)
     return rows
-
-
-def library_probe(n: int, calls: int) -> dict[str, float]:
-    """What a ``torch.library`` op would cost (issue 18 item 3): ``int8``'s native encode
-    registered with ``Library.define``/``impl`` (CPU: the native kernel; Meta: the size from
-    ``encoded_nbytes``; the hop context crossing as ints), against the same kernel through
-    the codec's method and called directly (µs a call)."""
-    import torch
-
-    from dynamiq.codecs import HopContext, get_codec
-    from dynamiq.kernels import cpu_native
-
-    codec = get_codec("int8")
-    native = cpu_native._native(codec, "intq")  # the dispatcher's native kernel, unchecked
-    lib = torch.library.Library("dynamiq_probe", "FRAGMENT")
-    lib.define("encode_int(Tensor x, int seed, int step, int hop, int rank, int offset) -> Tensor")
-
-    def cpu(x: Any, seed: int, step: int, hop: int, rank: int, offset: int) -> Any:
-        ctx = HopContext(seed=seed, step=step, hop=hop, rank=rank, offset=offset)
-        return native.encode(codec, x, ctx)
-
-    def meta(x: Any, *ctx: int) -> Any:
-        return x.new_empty(codec.encoded_nbytes(x.numel()), dtype=torch.uint8)
-
-    lib.impl("encode_int", cpu, "CPU")
-    lib.impl("encode_int", meta, "Meta")
-    op = torch.ops.dynamiq_probe.encode_int.default
-    x = torch.randn(n)
-    ctx = HopContext()
-    assert torch.equal(op(x, 0, 0, 0, 0, 0), codec.encode(x, ctx))
-    return {
-        "direct_us": _median_us(lambda: native.encode(codec, x, ctx), calls),
-        "public_us": _median_us(lambda: codec.encode(x, ctx), calls),
-        "library_op_us": _median_us(lambda: op(x, 0, 0, 0, 0, 0), calls),
-        "hop_context_us": _median_us(lambda: HopContext(seed=0, step=0, offset=0), calls),
-    }
 
 
 def fresh(n: int, calls: int) -> dict[str, float]:
@@ -239,9 +219,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
-        "--library", action="store_true", help="only the torch.library probe (int8 encode)"
-    )
-    parser.add_argument(
         "--fresh", action="store_true", help="only dynamiq, each call at a new chunk (fresh)"
     )
     args = parser.parse_args(argv)
@@ -250,11 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.fresh:
         torch.set_num_threads(1)
         print(json.dumps(fresh(args.numel, args.calls), indent=1))
-        return 0
-
-    if args.library:
-        torch.set_num_threads(1)
-        print(json.dumps(library_probe(args.numel, args.calls), indent=1))
         return 0
 
     from dynamiq.codecs import get_codec, list_codecs
@@ -267,10 +239,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"numel": args.numel, "rows": rows}, indent=1))
         return 0
     print(f"µs a call, {args.numel} values, 1 thread (median)")
-    print('| codec | op | public | backend="cpu" | kernel (floor) | overhead |')
-    print("|---|---|---|---|---|---|")
+    print(
+        '| codec | op | public | backend="cpu" | op (graph) | kernel (floor) | overhead | '
+        "op overhead |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r.get(k) for k in ("public_us", "cpu_us", "floor_us", "overhead_us")]
+        keys = ("public_us", "cpu_us", "op_us", "floor_us", "overhead_us", "op_overhead_us")
+        cells = [r.get(k) for k in keys]
         print(f"| {r['codec']} | {r['op']} | " + " | ".join(map(_fmt, cells)) + " |")
     return 0
 

@@ -113,9 +113,26 @@ def _ints(ctx: HopContext) -> list[int]:
     return [getattr(ctx, f) for f in _INT_FIELDS]
 
 
+#: the hop contexts rebuilt from the ops' arguments: (id of the codec, the ints, the ids of the
+#: shared tensors) -> (the codec, the tensors, the context); the entries hold what their ids
+#: name, so an id is not reused while it is here
+_CTXS: dict[tuple[int, ...], tuple[Codec, list[torch.Tensor], HopContext]] = {}
+_MAX_CTXS = 512
+
+
 def _ctx(codec: Codec, ints: list[int], shared: list[torch.Tensor]) -> HopContext:
+    """The hop context of an op's arguments (checked like any other; memoized: rebuilding
+    and checking one costs more than the op boundary)."""
+    key = (id(codec), *ints, *map(id, shared))
+    got = _CTXS.get(key)
+    if got is not None and got[0] is codec:
+        return got[2]
     mapping: Mapping[str, Any] | None = codec.shared_from_tensors(list(shared))
-    return HopContext(**dict(zip(_INT_FIELDS, ints, strict=True)), shared=mapping)
+    ctx = HopContext(**dict(zip(_INT_FIELDS, ints, strict=True)), shared=mapping)
+    if len(_CTXS) >= _MAX_CTXS:
+        _CTXS.clear()
+    _CTXS[key] = (codec, list(shared), ctx)
+    return ctx
 
 
 # -- what the callers (dynamiq.kernels' validated entry points) call ---------------------------
