@@ -1,13 +1,14 @@
-"""A test-only oracle of the DynamiQ codec: the first, span-by-span implementation.
+"""The readable reference of the DynamiQ codec: one span at a time (docs/formats.md, "DynamiQ").
 
-This is the straightforward version the batched codec (``dynamiq/codecs/dynamiq_codec.py``)
-replaced, kept verbatim in logic: one span at a time, a host-synchronised binary search of
-the water-filling threshold per span, one boolean mask per width, and bit-by-bit packing. It
-is slow and obviously correct; ``test_dynamiq_codec.py`` checks that the batched codec gives
-the same wire bytes, the same decoded values and the same ``max_abs_error`` for every
-configuration. It reads only the codec's configuration fields, never its methods; the data
-both share (level tables, the integer priorities, a table's error units) come from the
-codec's module.
+This is the first, span-by-span implementation, kept in logic: a host-synchronised binary
+search of the water-filling threshold per span, one boolean mask per width, and bit-by-bit
+packing. It is slow and obviously correct; the batched codec
+(``dynamiq/codecs/dynamiq_codec.py``) must give the same wire bytes, the same decoded values
+and the same ``max_abs_error`` for every configuration (``tests/codecs/test_dynamiq_codec.py``).
+It reads only the codec's configuration fields, never its methods; the data both share
+(level tables, the integer priorities, a table's error units) come from the codec's module.
+``dynamiq.codecs`` does not import it: ``from dynamiq.codecs.dynamiq_reference import
+DynamiqReference``.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from dynamiq.codecs.dynamiq_codec import level_table as _level_table
 from dynamiq.codecs.formats import exponent_of
 from dynamiq.codecs.hashing import hash_keys, hash_u32, uniform_open01
 
-__all__ = ["DynamiqOracle"]
+__all__ = ["DynamiqReference"]
 
 _MAX_W = 8
 _E_MAX = 15
 
 
-class DynamiqOracle:
+class DynamiqReference:
     """The span-by-span DynamiQ codec of one configuration (``encode``, ``decode``,
     ``max_abs``), built from a :class:`DynamiqCodec`'s fields."""
 
