@@ -294,7 +294,7 @@ def oracle_outputs(
         "payload": payload,
         "decoded": decoded,
         "max_abs": oracle.max_abs(x, ctx),
-        "reduced": oracle.encode(decoded + local.float(), out_ctx),
+        "reduced": oracle.reduce(payload, local, ctx, out_ctx),
     }
 
 
