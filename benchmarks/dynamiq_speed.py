@@ -3,8 +3,9 @@
 Two measurements, each in one process so that the ratios share the machine's load:
 
 ``ops``: on ``--numel`` values (default 16M, heavy-tailed), the time of ``encode`` +
-``decode`` and of the fused ``reduce`` for the first, span-by-span implementation (the test
-oracle ``tests/codecs/dynamiq_oracle.py``, run once: it is slow), the batched reference
+``decode`` and of the fused ``reduce`` for the first, span-by-span implementation (the
+readable reference ``dynamiq/codecs/dynamiq_reference.py``, the "oracle" below; run once: it
+is slow), the batched reference
 (``_encode``/``_decode``/``_reduce``), the batched reference with its block functions compiled
 (the CPU fast path, ``DYNAMIQ_CPU_COMPILE=1``), and ``mxfp8_e4m3``'s fused ``reduce`` on the
 same fast path (``torch.compile``'d reference), checked bit for bit. Best of ``--iters``
@@ -30,24 +31,22 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "codecs"))  # the oracle
 
 
 def _patch_oracle() -> None:
     """Make every DynamiqCodec run the span-by-span oracle (encode, decode, bound)."""
-    from dynamiq_oracle import DynamiqOracle
-
     from dynamiq.codecs import DynamiqCodec
     from dynamiq.codecs.base import ErrorBound
+    from dynamiq.codecs.dynamiq_reference import DynamiqReference
 
     def _encode(self: Any, x: Any, ctx: Any, **_: Any) -> Any:
-        return DynamiqOracle(self).encode(x, ctx)
+        return DynamiqReference(self).encode(x, ctx)
 
     def _decode(self: Any, payload: Any, numel: int, ctx: Any, **_: Any) -> Any:
-        return DynamiqOracle(self).decode(payload, numel, ctx)
+        return DynamiqReference(self).decode(payload, numel, ctx)
 
     def _reduce(self: Any, payload: Any, local: Any, ctx: Any, out_ctx: Any, **_: Any) -> Any:
-        oracle = DynamiqOracle(self)
+        oracle = DynamiqReference(self)
         return oracle.encode(oracle.decode(payload, local.numel(), ctx) + local.float(), out_ctx)
 
     batched_bound = DynamiqCodec.error_bound
@@ -57,7 +56,7 @@ def _patch_oracle() -> None:
         return ErrorBound(
             formula=eb.formula,
             unbiased=eb.unbiased,
-            max_abs=DynamiqOracle(self).max_abs,
+            max_abs=DynamiqReference(self).max_abs,
             witness=eb.witness,
             var=eb.var,
         )
@@ -79,10 +78,9 @@ def cmd_ops(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dynamiq_oracle import DynamiqOracle
-
     from dynamiq import kernels
     from dynamiq.codecs import HopContext, get_codec
+    from dynamiq.codecs.dynamiq_reference import DynamiqReference
 
     n = args.numel
     g = torch.Generator().manual_seed(0)
@@ -133,7 +131,7 @@ def cmd_ops(args: argparse.Namespace) -> dict[str, Any]:
     }
 
     if not args.skip_oracle:
-        oracle = DynamiqOracle(dq)
+        oracle = DynamiqReference(dq)
         c1, w1, po = _timed(lambda: oracle.encode(a, ctx))
         c2, w2, _ = _timed(lambda: oracle.decode(po, n, ctx))
         c3, w3, ro = _timed(lambda: oracle.encode(oracle.decode(p, n, ctx) + b, out_ctx))

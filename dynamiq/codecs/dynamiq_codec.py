@@ -54,8 +54,9 @@ errors of successive hops are stratified, so they partly cancel in the final sum
 partial sums are larger: ``bits_k = bits + hop_slope · (k - (H - 1)/2) / max(H - 1, 1)``, so
 the average over the hops stays ``bits`` (the wire size depends on ``ctx``, as allowed).
 
-Non-finite input: a super-group holding NaN or ±Inf gets a NaN scale (written as the bf16
-pattern 0xFFFF, what torch's CPU conversion writes) and decodes to NaN; non-finite values
+Non-finite input: a super-group holding NaN gets a NaN scale (written as the bf16 pattern
+0xFFFF, what torch's CPU conversion writes), one holding ±Inf and no NaN an infinite scale
+(0x7F80); either decodes to NaN. Non-finite values
 never enter the prologue's statistics, so they do not move other spans' budgets. A finite
 ``|x|`` beyond ``max_input_abs`` (2^127) raises ``ValueError``: in a collective on every rank
 (the prologue's all-reduce carries a flag), which also refuses inputs whose partial sums
@@ -95,8 +96,12 @@ functions ``_encode_rows``, ``_decode_rows`` and ``_reduce_rows`` are compiled b
 ``torch.compile`` (once per codec and operation, the number of spans symbolic) and take all
 the full spans of a call at once.
 
-``tests/codecs/dynamiq_oracle.py`` keeps the first, span-by-span version; the tests check
-that both give the same bytes, values and bounds, for every knob.
+The normative definition of the wire format is the readable, span-by-span reference
+:mod:`dynamiq.codecs.dynamiq_reference` (the first version, which also takes the prologue's
+budgets): this batched codec, its compiled block functions, the Triton and the native kernels
+must all give its bytes, values and bounds (``tests/codecs/test_dynamiq_codec.py``, every
+knob; ``tests/codecs/test_dynamiq_reference.py``, the default configuration under a
+prologue).
 """
 
 from __future__ import annotations

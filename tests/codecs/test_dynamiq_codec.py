@@ -1,5 +1,6 @@
 """The DynamiQ codec: widths from integer scale codes, fixed wire size, levels, rounding;
-the batched reference against the first, span-by-span implementation (``dynamiq_oracle``)."""
+the batched reference against the readable, span-by-span one
+(``dynamiq/codecs/dynamiq_reference.py``, "the oracle" here)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from dynamiq_oracle import DynamiqOracle
-from dynamiq_oracle import _quantize as oracle_quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +20,8 @@ import dynamiq.kernels as K
 from dynamiq.codecs import DynamiqCodec, HopContext, get_codec
 from dynamiq.codecs._dynamiq_levels import DISTORTION_FITTED
 from dynamiq.codecs.dynamiq_codec import level_table
+from dynamiq.codecs.dynamiq_reference import DynamiqReference
+from dynamiq.codecs.dynamiq_reference import _quantize as oracle_quantize
 from dynamiq.kernels import _compiled
 from dynamiq.testing.strategies import finite_tensors, hop_contexts
 
@@ -286,14 +287,14 @@ def oracle_outputs(
     codec: DynamiqCodec, x: torch.Tensor, local: torch.Tensor, ctx: HopContext, out_ctx: HopContext
 ) -> dict[str, torch.Tensor]:
     """The oracle's payload, decoded values, bound and reduced payload."""
-    oracle = DynamiqOracle(codec)
+    oracle = DynamiqReference(codec)
     payload = oracle.encode(x, ctx)
     decoded = oracle.decode(payload, x.numel(), ctx)
     return {
         "payload": payload,
         "decoded": decoded,
         "max_abs": oracle.max_abs(x, ctx),
-        "reduced": oracle.encode(decoded + local.float(), out_ctx),
+        "reduced": oracle.reduce(payload, local, ctx, out_ctx),
     }
 
 
@@ -411,7 +412,7 @@ def test_level_lookup_matches_searchsorted(kind: str, rounding: str) -> None:
     level, every midpoint (where nearest rounding flips) and every cell edge, and at the
     32 fp32 values on each side of them, and on a dense grid of [-1, 1]."""
     codec = DynamiqCodec(levels=kind, rounding=rounding)
-    oracle = DynamiqOracle(codec)
+    oracle = DynamiqReference(codec)
     tables = dc._tables(kind, rounding != "nearest", torch.device("cpu"))
     cells = torch.arange(2 * dc._CELLS + 1, dtype=torch.float64) / dc._CELLS - 1
     for w in range(1, 9):

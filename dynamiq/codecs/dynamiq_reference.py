@@ -1,13 +1,44 @@
-"""A test-only oracle of the DynamiQ codec: the first, span-by-span implementation.
+"""The normative, readable definition of the DynamiQ wire format (docs/formats.md, "DynamiQ").
 
-This is the straightforward version the batched codec (``dynamiq/codecs/dynamiq_codec.py``)
-replaced, kept verbatim in logic: one span at a time, a host-synchronised binary search of
-the water-filling threshold per span, one boolean mask per width, and bit-by-bit packing. It
-is slow and obviously correct; ``test_dynamiq_codec.py`` checks that the batched codec gives
-the same wire bytes, the same decoded values and the same ``max_abs_error`` for every
-configuration. It reads only the codec's configuration fields, never its methods; the data
-both share (level tables, the integer priorities, a table's error units) come from the
-codec's module.
+:class:`DynamiqReference` encodes, decodes, reduces and bounds one span at a time, written
+the way the format is defined: the super-group scales and group codes of the span, its
+groups' widths by reverse water-filling of the span's budget (a binary search of the
+threshold, one host read per step), the level indices with one boolean mask per width,
+then bit-by-bit packing. It is slow by design (the first, span-by-span implementation, kept
+in logic) and meant to be read and run on the CPU. **Every other path must be bit-exact with
+it** (the same wire bytes, decoded values, reduced payloads and ``max_abs_error``): the
+batched PyTorch codec (:meth:`DynamiqCodec._encode`, ``_decode``, ``_reduce``:
+``dynamiq/codecs/dynamiq_codec.py``), its block functions as ``torch.compile`` compiles them
+(``DYNAMIQ_CPU_COMPILE=1``), the Triton kernels (``dynamiq/kernels/dynamiq.py``) and the
+native C++ kernels (``dynamiq/kernels/csrc/dynamiq_kernels.cpp``). The tests that hold them
+to it: ``tests/codecs/test_dynamiq_codec.py`` (the batched codec, every knob) and
+``tests/codecs/test_dynamiq_reference.py`` (the default configuration with a real prologue
+result, on every backend).
+
+**The budget of a span.** With ``pooling="bucket"`` (the default) and the prologue's result
+in ``ctx.shared`` (under :data:`~dynamiq.codecs._dynamiq_pool.SHARED_KEY`), every span's
+budget is the prologue's: :func:`~dynamiq.codecs._dynamiq_pool.chunk_budgets` gives the
+container bytes of the spans of a chunk at ``ctx.offset`` (``B`` is 8 times that), what the
+batched codec reads too; inside the span its own water-filling shares ``B`` among its groups
+as in the span design. Otherwise (``pooling="span"``, or no result in the context) a span of
+``len`` values gets ``floor(bits_k · len)`` bits. What the prologue computes before any span
+is encoded is not span-by-span and is not restated here: each rank's demand
+(:func:`~dynamiq.codecs._dynamiq_pool.span_statistics`: one water-filling over the rank's
+whole buffer), the sharing of the bucket's bytes among all its spans
+(:func:`~dynamiq.codecs._dynamiq_pool.span_budgets`), and the re-cut of an all-reduce's
+chunks to equal bytes (:func:`~dynamiq.codecs._dynamiq_pool.recut`); their definition is
+``dynamiq/codecs/_dynamiq_pool.py`` (integer arithmetic on the agreed demand; for 256 spans
+or more its sharing runs in the bit-exact native kernel where one is built). Given their
+result, every span is encoded on its own.
+
+Not part of the wire, so not here: the input range check (a finite ``|x|`` beyond
+``max_input_abs`` raises in the codec or its prologue; here its super-group scale would be
+infinite). The reference reads only the codec's configuration fields, never its methods (the
+prologue's budgets through ``_dynamiq_pool``, which reads the codec's ``span`` and
+``balance``); the data both share (level tables, the integer priorities, a table's error
+units) come from the codec's module. ``dynamiq.codecs`` does not import this module::
+
+    from dynamiq.codecs.dynamiq_reference import DynamiqReference
 """
 
 from __future__ import annotations
@@ -16,21 +47,23 @@ import math
 
 import torch
 
+from dynamiq.codecs import _dynamiq_pool as _pool
 from dynamiq.codecs.base import HopContext
 from dynamiq.codecs.dynamiq_codec import _PRIORITY, DynamiqCodec, _max_error_units
 from dynamiq.codecs.dynamiq_codec import level_table as _level_table
 from dynamiq.codecs.formats import exponent_of
 from dynamiq.codecs.hashing import hash_keys, hash_u32, uniform_open01
 
-__all__ = ["DynamiqOracle"]
+__all__ = ["DynamiqReference"]
 
 _MAX_W = 8
 _E_MAX = 15
 
 
-class DynamiqOracle:
-    """The span-by-span DynamiQ codec of one configuration (``encode``, ``decode``,
-    ``max_abs``), built from a :class:`DynamiqCodec`'s fields."""
+class DynamiqReference:
+    """The DynamiQ codec of one configuration, span by span (``encoded_nbytes``, ``budgets``,
+    ``encode``, ``decode``, ``reduce``, ``max_abs``), built from a :class:`DynamiqCodec`'s
+    fields."""
 
     def __init__(self, codec: DynamiqCodec) -> None:
         self.bits = codec.bits
@@ -42,6 +75,10 @@ class DynamiqOracle:
         self.hop_slope = codec.hop_slope
         self.pooled = codec.pooled
         self.scale_steps = codec.scale_steps
+        self.pooling = codec.pooling
+        # the prologue's budgets are read through _dynamiq_pool, which takes the codec (it
+        # reads its span and balance fields)
+        self._codec = codec
 
     def _levels(self, width: int) -> torch.Tensor:
         lv = _level_table(self.levels, width)
@@ -55,19 +92,41 @@ class DynamiqOracle:
         rel = (ctx.hop - (ctx.num_hops - 1) / 2) / (ctx.num_hops - 1)
         return min(8.0, max(0.0, self.bits + self.hop_slope * rel))
 
-    def _budget(self, length: int, ctx: HopContext | None) -> int:
-        return math.floor(self._bits_at(ctx) * length)
+    # -- the budget B of each span ----------------------------------------------------------
 
-    def _span_bytes(self, length: int, ctx: HopContext | None) -> int:
+    def budgets(self, numel: int, ctx: HopContext | None = None) -> list[int]:
+        """The budget ``B`` (bits) of each span of the ``numel`` values at ``ctx.offset``:
+        the prologue's, when the codec pools over the bucket and ``ctx.shared`` holds its
+        result, else ``floor(bits_k · len)`` of a span of ``len`` values."""
+        pooled = self._pooled_budgets(numel, ctx)
+        if pooled is not None:
+            return pooled
+        bits = self._bits_at(ctx)
+        return [math.floor(bits * min(self.span, numel - a)) for a in range(0, numel, self.span)]
+
+    def _pooled_budgets(self, numel: int, ctx: HopContext | None) -> list[int] | None:
+        """Each span's budget (bits: 8 times its container bytes) from the prologue's result
+        in ``ctx.shared``, or ``None`` (``pooling="span"``, or no result)."""
+        if self.pooling != "bucket" or ctx is None or ctx.shared is None:
+            return None
+        nbytes = _pool.chunk_budgets(self._codec, ctx.shared, numel, ctx.offset, self._bits_at(ctx))
+        return None if nbytes is None else [8 * int(b) for b in nbytes]
+
+    def _spans(self, numel: int, ctx: HopContext | None) -> list[tuple[int, int, int]]:
+        """``(first value, length, budget)`` of each span of ``numel`` values."""
+        starts = range(0, numel, self.span)
+        budgets = self.budgets(numel, ctx)
+        if len(budgets) != len(starts):
+            raise ValueError(f"dynamiq: {len(budgets)} span budgets for {len(starts)} spans")
+        return [(a, min(self.span, numel - a), b) for a, b in zip(starts, budgets, strict=True)]
+
+    def _span_bytes(self, length: int, budget: int) -> int:
         n_sg = -(-length // self.super_group)
         n_g = -(-length // self.group)
-        return 2 * n_sg + (n_g * 4 + 7) // 8 + (self._budget(length, ctx) + 7) // 8
+        return 2 * n_sg + (n_g * 4 + 7) // 8 + (budget + 7) // 8
 
     def encoded_nbytes(self, numel: int, ctx: HopContext | None = None) -> int:
-        full, rest = divmod(numel, self.span)
-        return full * self._span_bytes(self.span, ctx) + (
-            self._span_bytes(rest, ctx) if rest else 0
-        )
+        return sum(self._span_bytes(n, b) for _, n, b in self._spans(numel, ctx))
 
     def _scales(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = x.numel()
@@ -144,22 +203,28 @@ class DynamiqOracle:
         h = ctx.num_hops
         shift = hash_u32(idx, hash_keys(ctx.seed, ctx.step, 0xFFFFFFFF, 0xFFFFFFFF)) % h
         stratum = (shift + ctx.hop) % h
-        return (stratum.to(torch.float32) + v) / h
+        # divided by a tensor: an IEEE division on every device (as the codec does)
+        num = stratum.to(torch.float32) + v
+        return num / torch.full_like(num, float(h))
 
-    def encode(self, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
-        xf = x.float()
-        out = []
-        for a in range(0, xf.numel(), self.span):
-            out.append(self._encode_span(xf[a : a + self.span], ctx, ctx.offset + a))
+    def encode(self, x: torch.Tensor, ctx: HopContext | None = None) -> torch.Tensor:
+        """The wire bytes of ``x`` (its spans' back to back)."""
+        ctx = HopContext() if ctx is None else ctx
+        xf = x.float().reshape(-1)
+        out = [
+            self._encode_span(xf[a : a + n], ctx, ctx.offset + a, budget)
+            for a, n, budget in self._spans(xf.numel(), ctx)
+        ]
         if not out:
             return torch.empty(0, dtype=torch.uint8, device=x.device)
         return torch.cat(out)
 
-    def _encode_span(self, x: torch.Tensor, ctx: HopContext, offset: int) -> torch.Tensor:
+    def _encode_span(
+        self, x: torch.Tensor, ctx: HopContext, offset: int, budget: int
+    ) -> torch.Tensor:
         n = x.numel()
         s_sg, e, _ = self._scales(x)
         finite_sg = torch.isfinite(s_sg)
-        budget = self._budget(n, ctx)
         w = self._widths(torch.where(finite_sg, s_sg, 0.0), e, n, budget)
         g, per_sg = self.group, self.super_group // self.group
         s_g = self._group_scale(s_sg.repeat_interleave(per_sg)[: e.numel()], e)
@@ -180,22 +245,36 @@ class DynamiqOracle:
         body = _pack_varwidth(code, w_el, budget)
         return torch.cat([header, body])
 
-    def decode(self, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
+    def decode(
+        self, payload: torch.Tensor, numel: int, ctx: HopContext | None = None
+    ) -> torch.Tensor:
+        """The fp32 values of a payload of ``numel`` values."""
         out = torch.empty(numel, dtype=torch.float32, device=payload.device)
         pos = 0
-        for a in range(0, numel, self.span):
-            n = min(self.span, numel - a)
-            size = self._span_bytes(n, ctx)
-            out[a : a + n] = self._decode_span(payload[pos : pos + size], n, ctx)
+        for a, n, budget in self._spans(numel, ctx):
+            size = self._span_bytes(n, budget)
+            out[a : a + n] = self._decode_span(payload[pos : pos + size], n, budget)
             pos += size
+        if pos != payload.numel():
+            raise ValueError(f"dynamiq: a payload of {payload.numel()} bytes, want {pos}")
         return out
 
-    def _decode_span(self, p: torch.Tensor, n: int, ctx: HopContext) -> torch.Tensor:
+    def reduce(
+        self,
+        payload: torch.Tensor,
+        local: torch.Tensor,
+        ctx: HopContext | None,
+        out_ctx: HopContext | None,
+    ) -> torch.Tensor:
+        """The fused decompress-accumulate-recompress: ``payload`` decoded under ``ctx``,
+        plus ``local`` (in fp32), encoded under ``out_ctx``."""
+        return self.encode(self.decode(payload, local.numel(), ctx) + local.float(), out_ctx)
+
+    def _decode_span(self, p: torch.Tensor, n: int, budget: int) -> torch.Tensor:
         g, per_sg = self.group, self.super_group // self.group
         n_sg, n_g = -(-n // self.super_group), -(-n // g)
         s_sg = p[: 2 * n_sg].clone().view(torch.bfloat16).float()
         e = _unpack4(p[2 * n_sg : 2 * n_sg + (n_g * 4 + 7) // 8], n_g)
-        budget = self._budget(n, ctx)
         finite_sg = torch.isfinite(s_sg)
         w = self._widths(torch.where(finite_sg, s_sg, 0.0), e, n, budget)
         w_el = w.repeat_interleave(g)[:n]
@@ -209,19 +288,17 @@ class DynamiqOracle:
                 val[m] = self._levels(width).to(p.device)[code[m]]
         return val * s_el
 
-    def max_abs(self, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+    def max_abs(self, x: torch.Tensor, ctx: HopContext | None = None) -> torch.Tensor:
+        """The error bound of each value of ``x`` (fp64; ``inf`` in a super-group holding
+        NaN or ±Inf), as :attr:`DynamiqCodec.error_bound` states it."""
         stochastic = self.rounding != "nearest"
         units = [_max_error_units(self._levels(w), stochastic) for w in range(_MAX_W + 1)]
         g, per_sg = self.group, self.super_group // self.group
-        xf = x.float()
+        xf = x.float().reshape(-1)
         out = torch.empty(xf.numel(), dtype=torch.float64, device=x.device)
-        for a in range(0, xf.numel(), self.span):
-            xs = xf[a : a + self.span]
-            n = xs.numel()
-            s_sg, e, a_g = self._scales(xs)
-            w = self._widths(
-                torch.where(torch.isfinite(s_sg), s_sg, 0.0), e, n, self._budget(n, ctx)
-            )
+        for a, n, budget in self._spans(xf.numel(), ctx):
+            s_sg, e, a_g = self._scales(xf[a : a + n])
+            w = self._widths(torch.where(torch.isfinite(s_sg), s_sg, 0.0), e, n, budget)
             s_g = self._group_scale(s_sg.repeat_interleave(per_sg)[: e.numel()], e).double()
             unit = torch.tensor(units, dtype=torch.float64, device=x.device)[w]
             b = torch.where(w == 0, a_g.double(), s_g * (unit + 2.0**-22) + 2.0**-149)
