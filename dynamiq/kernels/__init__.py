@@ -6,10 +6,10 @@ Implements docs/design.md, "Kernels". :func:`encode`, :func:`decode` and :func:`
 * ``"reference"``: the codec's own ``_encode`` / ``_decode`` / ``_reduce`` (pure PyTorch, any
   device);
 * ``"triton"``: the codec's Triton kernel, natively on CUDA tensors and through Triton's
-  interpreter on CPU tensors (slow: for tests). Triton fixes the mode when it is imported:
-  if it is not imported yet, this sets ``TRITON_INTERPRET=1`` for the process (``"auto"``
-  ignores that setting); if it was imported without it, CPU tensors raise. Raises if Triton
-  is not installed or the codec has no kernel for the operation;
+  interpreter on CPU tensors (slow: for tests). Triton fixes the mode when it is imported,
+  from ``TRITON_INTERPRET``, which this never sets: CPU tensors raise unless it was ``1``
+  then. Raises if Triton is not installed or the codec has no kernel for the
+  operation;
 * ``"cpu"``: the native CPU kernels of the pass-through, INT, MX, DynamiQ and block-format
   codecs
   (:mod:`dynamiq.kernels.cpu_native`: C++ built once per machine and cached, bit-exact with
@@ -452,7 +452,7 @@ def _auto_triton(device: str) -> bool:
     if device == "cuda":
         return _triton_installed()
     # the CPU: only when the user asked for the interpreter (and Triton can still use it)
-    if device != "cpu" or _ENV_SET_HERE or not _settings.interpret:
+    if device != "cpu" or not _settings.interpret:
         return False
     if "triton" in sys.modules:
         return _triton_interpreting()
@@ -491,8 +491,6 @@ def _kernel(codec: Codec, op: str, device: str) -> Any:
 
 # -- loading the built-in kernel modules ------------------------------------------------------
 
-#: whether this module set TRITON_INTERPRET=1 itself (for a forced backend="triton" on the CPU)
-_ENV_SET_HERE = False
 #: kernel modules loaded by :func:`_builtin`: name -> (module, whether interpreted)
 _LOADED: dict[str, tuple[types.ModuleType, bool]] = {}
 _COMPILED_MODE = (
@@ -500,17 +498,21 @@ _COMPILED_MODE = (
     "without TRITON_INTERPRET=1: set it before Triton is imported, or use backend='reference' "
     "(or CUDA tensors)"
 )
+_SET_IT = (
+    "the Triton backend runs CPU tensors through Triton's interpreter, which Triton chooses "
+    "when it is imported: set TRITON_INTERPRET=1 in the environment before the first Triton "
+    "call (dynamiq never changes the environment), or use backend='reference' or 'cpu'"
+)
 
 
 def _builtin(name: str, *, interpret: bool) -> types.ModuleType:
     """The kernel module ``name``, its kernels compiled or interpreted like Triton's own.
 
     Triton fixes when it is imported whether ``@triton.jit`` functions, its own included, are
-    compiled or interpreted (``TRITON_INTERPRET``). CPU tensors need the interpreter: if
-    Triton is not imported yet, ``TRITON_INTERPRET=1`` is set for the process first; if it was
-    imported in compiled mode, that is an error.
+    compiled or interpreted (``TRITON_INTERPRET``), and reads its knob again later: this holds
+    the knob at that mode (:func:`_pin_mode`). CPU tensors need the interpreter: the
+    environment must say so before Triton is imported (this never sets it).
     """
-    global _ENV_SET_HERE
     loaded = _LOADED.get(name)
     if loaded is not None and sys.modules.get(f"{__name__}.{name}") is loaded[0]:
         # imported before, in the mode Triton runs in for the rest of the process: skip the
@@ -520,59 +522,61 @@ def _builtin(name: str, *, interpret: bool) -> types.ModuleType:
         return loaded[0]
     with _LOCK:
         if interpret and "triton" not in sys.modules and not _interpret_env():
-            os.environ["TRITON_INTERPRET"] = "1"
-            _ENV_SET_HERE = True
-            _settings.changed()
+            raise RuntimeError(_SET_IT)
         interpreted = _triton_interpreting()
         if interpret and not interpreted:
             raise RuntimeError(_COMPILED_MODE)
-        with _env("TRITON_INTERPRET", "1" if interpreted else "0"):
-            module = importlib.import_module(f"{__name__}.{name}")
+        _pin_mode(interpreted)
+        module = importlib.import_module(f"{__name__}.{name}")
         if _is_interpreted(module) != interpreted:
             raise RuntimeError(
                 f"{module.__name__} was imported while TRITON_INTERPRET differed from the mode "
-                "Triton was imported in; import it through dynamiq.kernels or set "
+                "Triton was imported in; import it through dynamiq.kernels, and set "
                 "TRITON_INTERPRET before importing Triton"
             )
         _LOADED[name] = (module, interpreted)
         return module
 
 
+def _pin_mode(interpreted: bool) -> None:
+    """Hold Triton's ``interpret`` knob at the mode Triton was imported in, in the knob's own
+    in-process slot (``triton.knobs``), not in the environment: Triton reads it again when it
+    decorates a function and while it runs one, and a mode other than its import-time one
+    would mix compiled and interpreted functions."""
+    from triton import knobs
+
+    knobs.runtime.__dict__["interpret"] = interpreted  # (the knob's setter writes os.environ)
+    if bool(knobs.runtime.interpret) != interpreted:
+        raise RuntimeError(
+            "dynamiq could not hold Triton's interpret knob at the mode Triton was imported in "
+            "(an unsupported Triton version?); keep TRITON_INTERPRET as it was then"
+        )
+
+
 def _is_interpreted(module: types.ModuleType) -> bool:
     """Whether the ``@triton.jit`` functions of ``module`` run in Triton's interpreter."""
-    return any(type(v).__name__ == "InterpretedFunction" for v in vars(module).values())
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return any(isinstance(v, InterpretedFunction) for v in vars(module).values())
 
 
 def _triton_interpreting() -> bool:
     """Whether Triton (imported here if needed) runs ``@triton.jit`` functions interpreted."""
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 
-    return type(tl.zeros).__name__ == "InterpretedFunction"
-
-
-@contextlib.contextmanager
-def _env(key: str, value: str) -> Iterator[None]:
-    old = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[key]
-        else:
-            os.environ[key] = old
+    return isinstance(tl.zeros, InterpretedFunction)
 
 
 @contextlib.contextmanager
 def _kernel_scope(device: torch.device) -> Iterator[None]:
-    """Run a Triton kernel. On the CPU, Triton's interpreter runs it: ``TRITON_INTERPRET=1``
-    must hold while it launches (Triton imports parts of itself lazily, checking the mode),
-    and it computes with NumPy, whose warnings about IEEE results (Inf - Inf, overflow to
-    Inf) are expected: silence them there."""
+    """Run a Triton kernel. On the CPU, Triton's interpreter runs it (Triton checks the mode
+    lazily: its knob, held by :func:`_pin_mode`), computing with NumPy, whose warnings about
+    IEEE results (Inf - Inf, overflow to Inf) are expected: silence them there."""
     if device.type != "cpu":
         yield
         return
     import numpy as np
 
-    with _env("TRITON_INTERPRET", "1"), np.errstate(all="ignore"):
+    with np.errstate(all="ignore"):
         yield

@@ -223,6 +223,16 @@ for _name, _fn in (("encode", _encode_impl), ("decode", _decode_impl), ("reduce"
 # -- the fake implementations: the output's size ----------------------------------------------
 
 
+def _checked(codec: str, op: str, t: torch.Tensor, backend: str) -> Codec:
+    """The codec, after the checks a real call of ``op`` on ``t`` makes of ``backend`` (a
+    forced backend that cannot run ``t``'s device raises here too)."""
+    from . import _plan
+
+    c = _codec_of(codec)
+    _plan(c, op, t, backend)
+    return c
+
+
 def _nbytes(c: Codec, numel: int, nbytes: int) -> Any:
     """The payload's bytes (the caller's ``encoded_nbytes``), or a data-dependent size."""
     if nbytes >= 0:
@@ -246,7 +256,8 @@ def _encode_fake(
     nbytes: int,
     backend: str,
 ) -> torch.Tensor:
-    return x.new_empty(_nbytes(_codec_of(codec), x.numel(), nbytes), dtype=torch.uint8)
+    c = _checked(codec, "encode", x, backend)
+    return x.new_empty(_nbytes(c, x.numel(), nbytes), dtype=torch.uint8)
 
 
 @torch.library.register_fake("dynamiq::decode", lib=_LIB)
@@ -258,6 +269,7 @@ def _decode_fake(
     shared: list[torch.Tensor],
     backend: str,
 ) -> torch.Tensor:
+    _checked(codec, "decode", payload, backend)
     return payload.new_empty(numel, dtype=torch.float32)
 
 
@@ -273,5 +285,5 @@ def _reduce_fake(  # noqa: PLR0913 (the schema's arguments)
     nbytes: int,
     backend: str,
 ) -> torch.Tensor:
-    c = _codec_of(codec)
+    c = _checked(codec, "reduce", local, backend)
     return local.new_empty(_nbytes(c, local.numel(), nbytes), dtype=torch.uint8)

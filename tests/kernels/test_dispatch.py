@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,49 @@ def test_importing_the_codecs_imports_no_kernel_module() -> None:
     ).stdout.split("\n")
     assert out[0] == "[]", out
     assert out[1] == "True", out
+
+
+_TRITON = importlib.util.find_spec("triton") is not None
+_NO_ENV = (
+    "import os, torch, dynamiq.kernels as K, dynamiq\n"
+    "before = dict(os.environ)\n"
+    "try:\n"
+    "    K.encode(dynamiq.get_codec('int8'), torch.ones(64), backend='triton')\n"
+    "except RuntimeError as e:\n"
+    "    print('raised:', e)\n"
+    "print(dict(os.environ) == before)\n"
+)
+_KEEP_MODE = (
+    "import os, torch, dynamiq.kernels as K, dynamiq\n"
+    "c, x = dynamiq.get_codec('int8'), torch.linspace(-1, 1, 64)\n"
+    "a = K.encode(c, x, backend='triton')\n"
+    "del os.environ['TRITON_INTERPRET']\n"  # (the caller's change: the mode stays Triton's)
+    "before = dict(os.environ)\n"
+    "b = K.reduce(c, a, x, backend='triton')\n"
+    "print(bool(torch.equal(b, c.reduce(a, x))), dict(os.environ) == before)\n"
+)
+
+
+@pytest.mark.skipif(not _TRITON, reason="Triton is not installed")
+def test_the_dispatcher_never_changes_the_environment() -> None:
+    """Forcing the Triton backend on CPU tensors without ``TRITON_INTERPRET=1`` is a named
+    error, not a change to the environment; with it, Triton's mode is held in its own knob,
+    so the caller's later change of the variable changes nothing and nothing is written
+    back."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_ENV], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert "raised:" in out.stdout and "set TRITON_INTERPRET=1" in out.stdout, out
+    assert out.stdout.strip().endswith("True"), out
+    out = subprocess.run(
+        [sys.executable, "-c", _KEEP_MODE],
+        capture_output=True,
+        text=True,
+        env={**env, "TRITON_INTERPRET": "1"},
+        timeout=300,
+    )
+    assert out.stdout.split() == ["True", "True"], out
 
 
 @pytest.mark.parametrize("name", BUILTIN)
