@@ -8,7 +8,10 @@ kernels it
    on the GPU (random, edge-case and block-remainder inputs, fp32/bf16/fp16, encode, decode and
    reduce) and, for small inputs, against the reference on the CPU too (wire bytes must not
    depend on the device);
-2. times, on ``--numel`` values (default 64M), the fused ``reduce`` kernel against the unfused
+2. (after the headline timing) runs :mod:`gpu_ops`: ``torch.compile`` of the codecs' calls on
+   the device gives the eager bytes through the ``torch.library`` ops, and the host time of an
+   eager call against the op's;
+3. times, on ``--numel`` values (default 64M), the fused ``reduce`` kernel against the unfused
    ``decode + add + encode`` (Triton kernels, with an fp32 tensor in memory between them) and
    against the torch reference, and relates the fused kernel to the memory roofline: the bytes
    it must move (incoming payload + local slice + outgoing payload) at the copy bandwidth
@@ -161,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     # every codec, then the timing of the others, whose kernels the checks have compiled
     timing = results["timing"] = {}
     time_kernels(device, numel, local_dtype, iters, TIMED[:2], out=timing, save=save)
+    # the torch.library ops on the device: compiled bytes equal, host µs a call (issue 18)
+    from gpu_ops import check_ops
+
+    results["ops"] = check_ops(
+        device, calls=2 if args.dry_run else 200, iters=1 if args.dry_run else 5
+    )
+    save()
     if not args.no_sweep:
         results["sweep"] = sweep_rows(device, numel, local_dtype, iters, deadline)
         save()
@@ -566,7 +576,10 @@ def sweep_rows(
 
 
 class _OneRank:
-    """The exchange a codec's ``prologue`` gets, for a world of one rank."""
+    """The exchange a codec's ``prologue`` gets, for a world of one rank (``rank`` and
+    ``world_size`` too: the pooled DynamiQ's statistics read them)."""
+
+    rank, world_size = 0, 1
 
     def allgather(self, tensor: Any) -> list[Any]:
         return [tensor]

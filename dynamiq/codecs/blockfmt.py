@@ -99,6 +99,14 @@ def _f32(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
+@functools.lru_cache(maxsize=4096)
+def _tensor_exp(limits: tuple[int, int, int], amax_bits: int, contributions: int) -> int:
+    """:meth:`BlockCodec.tensor_exp` (memoized: every call of an encode and a reduce asks)."""
+    top, kmin, kmax = limits
+    ceil_log2 = (contributions - 1).bit_length()
+    return min(max(_exponent_of_bits(amax_bits) + 1 + ceil_log2 - top, kmin), kmax)
+
+
 def _exponent_of_bits(bits: int) -> int:
     """``formats.exponent_of`` of one fp32 magnitude bit pattern (a Python int)."""
     if bits == 0:
@@ -215,10 +223,7 @@ class BlockCodec(Codec):
 
     def tensor_exp(self, amax_bits: int, contributions: int) -> int:
         """``k`` of the per-tensor scale ``G = 2^k`` for an agreed absmax (fp32 bits)."""
-        top, kmin, kmax = self.tensor_exp_limits
-        e = _exponent_of_bits(amax_bits)
-        ceil_log2 = (contributions - 1).bit_length()
-        return min(max(e + 1 + ceil_log2 - top, kmin), kmax)
+        return _tensor_exp(self.tensor_exp_limits, amax_bits, contributions)
 
     def tensor_exp_of(self, x: torch.Tensor, ctx: HopContext) -> int:
         """``k`` for encoding ``x`` under ``ctx``: the prologue's absmax and ``ctx``'s

@@ -759,7 +759,7 @@ class _Native:
             self._int_fields(args, ctx)
         elif self.family == "block":
             args.header = codec.header_nbytes(n)
-            args.g_out_bits = _f32_bits(2.0**g_exp)
+            args.g_out_bits = _pow2_bits(g_exp)
         # (looked up per call: benchmarks/dispatch_overhead.py times the entry point)
         _check_status(getattr(self.lib, self.entry)(ctypes.byref(args)))
         if self.family == "intq" and args.worst:
@@ -937,6 +937,12 @@ def _mx_format(fmt: ElementFormat) -> dict[str, int]:
 
 def _f32_bits(x: float) -> int:
     return int(struct.unpack("<I", struct.pack("<f", x))[0])
+
+
+@functools.lru_cache(maxsize=512)
+def _pow2_bits(k: int) -> int:
+    """The fp32 bits of ``2^k`` (a block format's tensor scale; memoized)."""
+    return _f32_bits(2.0**k)
 
 
 def _check_status(status: int) -> None:
