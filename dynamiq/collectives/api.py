@@ -11,6 +11,7 @@ run one at a time in issue order on NCCL), each giving what it would give alone.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -186,6 +187,29 @@ class AllReduceHandle(Generic[T]):
 # -- shared steps ------------------------------------------------------------------------------
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _eager(fn: F) -> F:
+    """``fn`` as ``torch.compile`` meets it: a graph break, and ``fn`` run eagerly, dynamo off
+    inside (the engine is host-driven: byte buffers, ``.item()``, clocks, threads, none of it
+    for dynamo to trace); outside ``torch.compile`` a plain call (dynamo is not imported)."""
+    disabled: list[Any] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn, reason=_EAGER_REASON))
+        return disabled[0](*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+_EAGER_REASON = "dynamiq's collectives run eagerly (host-driven)"
+
+
 def _check_tensor(t: Any, name: str = "tensor") -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
@@ -301,6 +325,7 @@ def allreduce(
     residual: torch.Tensor | None = ...,
     **keywords: Unpack[OptionKeywords],
 ) -> AllReduceStats | AllReduceHandle[AllReduceStats]: ...
+@_eager
 def allreduce(
     tensor: torch.Tensor,
     codec: Any = None,
@@ -356,6 +381,7 @@ def allreduce(
 # -- the simulator -----------------------------------------------------------------------------
 
 
+@_eager
 def simulate_allreduce(
     tensors: list[torch.Tensor],
     codec: Any = None,
@@ -520,6 +546,7 @@ def reduce_scatter(
     **keywords: Unpack[OptionKeywords],
 ) -> Shard | AllReduceHandle[Shard]: ...
 # per-call data beside the options: the caller-given layout (FSDP2) and error feedback
+@_eager
 def reduce_scatter(  # noqa: PLR0913
     tensor: torch.Tensor,
     codec: Any = None,
@@ -621,6 +648,7 @@ def all_gather(
     transport: Transport | None = ...,
     **keywords: Unpack[OptionKeywords],
 ) -> tuple[torch.Tensor, AllReduceStats] | AllReduceHandle[tuple[torch.Tensor, AllReduceStats]]: ...
+@_eager
 def all_gather(
     shard: Shard,
     codec: Any = None,

@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _compiled, _settings, cpu_native
+from . import _compiled, _ops, _settings, cpu_native
 from ._compiled import set_cpu_compile
 from ._declared import declared_family, own_family
 from ._stats import launch_counts
@@ -328,9 +328,7 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _op_module() -> types.ModuleType:
-    """:mod:`dynamiq.kernels._ops`, imported (and the ops registered) at the first routed call."""
-    from . import _ops
-
+    """:mod:`dynamiq.kernels._ops` (its ops are registered when this module is imported)."""
     return _ops
 
 

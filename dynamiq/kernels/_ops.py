@@ -1,6 +1,6 @@
 """The three operations as ``torch.library`` ops: what ``torch.compile`` and fake tensors see.
 
-Implements docs/design.md, "Kernels: the torch.library ops". The ops are
+Implements docs/design.md, "Kernels" (the ``torch.library`` ops). The ops are
 
 * ``dynamiq::encode(Tensor x, str codec, int[] ctx, Tensor[] shared, int nbytes,
   str backend) -> Tensor``
@@ -24,8 +24,10 @@ registered still works in the process that made it), the hop context as its eigh
 **When they are used.** The dispatcher (:mod:`dynamiq.kernels`) routes a call through these ops
 while ``torch.compile`` traces it and for tensors that hold no data (fake or meta tensors, and
 other tensor subclasses); eager calls on plain tensors call the kernels directly, since an op
-costs a few µs more a call (``python benchmarks/dispatch_overhead.py --library``; recorded in
-docs/benchmarks.md). Both paths run the same kernels and give the same bytes.
+costs about 5 µs more a call (the "op" column of ``python benchmarks/dispatch_overhead.py``;
+recorded in docs/benchmarks.md). Both paths run the same kernels and give the same bytes.
+The tensors of ``ctx.shared`` are taken as immutable (a prologue's result is): a context
+rebuilt from them is memoized by their identity.
 """
 
 from __future__ import annotations
@@ -57,13 +59,14 @@ _LIB.define(
     "int[] out_ctx, Tensor[] out_shared, int nbytes, str backend) -> Tensor"
 )
 
-#: canonical configuration -> codec, and id(codec) -> (codec, its configuration)
+#: canonical configuration -> codec (one entry a configuration), and id(codec) -> (codec, its
+#: configuration) for the last codec objects seen (cleared when full)
 _BY_KEY: dict[str, Codec] = {}
 _KEY_OF: dict[int, tuple[Codec, str]] = {}
+_MAX_KEYS = 1024
 _LOCK = threading.Lock()
 
 
-@torch.compiler.assume_constant_result
 def _codec_key(codec: Codec) -> str:
     """``codec``'s canonical configuration, remembered with the codec."""
     got = _KEY_OF.get(id(codec))
@@ -72,8 +75,15 @@ def _codec_key(codec: Codec) -> str:
     key = json.dumps(codec.get_config(), sort_keys=True, default=_json_default)
     with _LOCK:
         _BY_KEY.setdefault(key, codec)
+        if len(_KEY_OF) >= _MAX_KEYS:
+            _KEY_OF.clear()
         _KEY_OF[id(codec)] = (codec, key)
     return key
+
+
+# dynamo takes the key as a constant, not tracing json.dumps (what
+# torch.compiler.assume_constant_result marks, without importing dynamo here: about 2 s)
+_codec_key._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _json_default(v: Any) -> Any:
