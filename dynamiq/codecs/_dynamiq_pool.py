@@ -486,6 +486,8 @@ class Pool:
     #: what a kernel memoizes per call of its own (keyed on values and on objects it holds:
     #: ``dynamiq/kernels/cpu_native.py``); it lives as long as this result
     kernel_memo: dict[Any, Any] = field(default_factory=dict)
+    #: the pool as tensors, made once (:func:`pool_tensors`)
+    tensors: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         #: each region's first value (:func:`_first_span` bisects them)
@@ -780,18 +782,16 @@ def gathered(codec: DynamiqCodec, shared: Any, budgets: list[torch.Tensor], nume
 def pool_tensors(shared: Any) -> list[torch.Tensor]:
     """The pool in ``shared`` as tensors (``[]`` without one), the form in which it crosses a
     ``torch.library`` op: the demand, the spans' lengths, one int64 tensor of the buffer's
-    length, the regions and each region's first span, and the fixed budgets (``[]`` unless
-    :func:`gathered` made the pool). Memoized in the pool."""
+    length, the regions and each region's first span, and the fixed budgets (empty unless
+    :func:`gathered` made the pool). Made once per pool (:attr:`Pool.tensors`)."""
     pool = _pool_of(shared)
     if pool is None:
         return []
-    got = pool.kernel_memo.get("tensors")
-    if got is None:
+    if pool.tensors is None:
         flat = [pool.numel, len(pool.regions), *itertools.chain(*pool.regions), *pool.first]
         fixed = pool.fixed if pool.fixed is not None else torch.zeros(0, dtype=torch.int64)
-        got = [pool.demand, pool.lens, torch.tensor(flat, dtype=torch.int64), fixed]
-        pool.kernel_memo["tensors"] = got
-    return list(got)
+        pool.tensors = [pool.demand, pool.lens, torch.tensor(flat, dtype=torch.int64), fixed]
+    return list(pool.tensors)
 
 
 #: the last pools rebuilt by :func:`pool_from_tensors`, by the identity of their demand tensor

@@ -30,6 +30,11 @@ dispatch; ``import dynamiq.codecs`` imports no kernel module): the Triton module
 point (:mod:`dynamiq.kernels._declared`). Plugins declare a family or call
 :func:`register_kernels`.
 
+**Traced and fake calls.** While ``torch.compile`` traces a call, and for fake, meta or other
+subclassed tensors, the call goes through the ``torch.library`` ops of
+:mod:`dynamiq.kernels._ops` (registered when this module is imported), whose implementation
+is this dispatch; eager calls on plain tensors do not (:func:`_routed`).
+
 **Per call.** What a call runs is resolved once per codec (by identity; the cache holds the
 codec), operation, device type and backend, and cached until a setter or
 :func:`register_kernels` changes something; the public methods validate their arguments once
@@ -239,7 +244,7 @@ def reduce(
 
 def _encode(codec: Codec, x: torch.Tensor, ctx: HopContext, backend: str) -> torch.Tensor:
     if _routed(x):
-        return _op_module().encode(codec, x, ctx, backend)
+        return _ops.encode(codec, x, ctx, backend)
     return _encode_direct(codec, x, ctx, backend)
 
 
@@ -262,7 +267,7 @@ def _decode(
     codec: Codec, payload: torch.Tensor, numel: int, ctx: HopContext, backend: str
 ) -> torch.Tensor:
     if _routed(payload):
-        return _op_module().decode(codec, payload, numel, ctx, backend)
+        return _ops.decode(codec, payload, numel, ctx, backend)
     return _decode_direct(codec, payload, numel, ctx, backend)
 
 
@@ -291,7 +296,7 @@ def _reduce(
     backend: str,
 ) -> torch.Tensor:
     if _routed(local) or type(payload) is not torch.Tensor:
-        return _op_module().reduce(codec, payload, local, ctx, out_ctx, backend)
+        return _ops.reduce(codec, payload, local, ctx, out_ctx, backend)
     return _reduce_direct(codec, payload, local, ctx, out_ctx, backend)
 
 
@@ -325,11 +330,6 @@ def _routed(t: torch.Tensor) -> bool:
 
 
 _is_compiling = torch.compiler.is_compiling
-
-
-def _op_module() -> types.ModuleType:
-    """:mod:`dynamiq.kernels._ops` (its ops are registered when this module is imported)."""
-    return _ops
 
 
 def _reference(codec: Codec, op: str, device: torch.device, numel: int, *args: Any) -> Any:

@@ -18,7 +18,7 @@ data-dependent size, where the codec sizes its payload from the data).
 What crosses the boundary: the codec as its canonical configuration (``get_config()`` as
 sorted JSON; the codec object is remembered under it, so a plugin class that is not
 registered still works in the process that made it), the hop context as its eight int fields
-(``HopContext._INT_FIELDS`` order) and ``ctx.shared`` as tensors (the codec's
+(in the order of ``dynamiq.codecs.base._INT_FIELDS``) and ``ctx.shared`` as tensors (the codec's
 :meth:`~dynamiq.codecs.Codec.shared_tensors`; only what the kernels read crosses).
 
 **When they are used.** The dispatcher (:mod:`dynamiq.kernels`) routes a call through these ops
