@@ -386,7 +386,14 @@ def library_path(compiler: str | None = None) -> Path:
 def _build(cxx: str, dest: Path) -> None:
     """Compile the library to ``dest`` and record its SHA-256 beside it, atomically:
     temporary files in the cache directory renamed into place, the library first (the
-    caller, ``_libcache.load``, holds the cache's build lock)."""
+    caller, ``_libcache.load``, holds the cache's build lock). Says so on stderr first: the
+    build takes tens of seconds, once per machine and compiler."""
+    print(
+        f"dynamiq: building the native CPU kernels into {dest} (once per machine; "
+        "this takes a while) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(dir=dest.parent) as include:
         (Path(include) / _CODES_H).write_text(_codes.c_header(), encoding="utf-8")
         _compile(cxx, dest, ("-I", include))
