@@ -287,3 +287,17 @@ def test_four_processes_building_at_once_load_one_whole_library(
     assert sorted(p.name for p in lib.parent.iterdir()) == sorted(
         [lib.name, lib.name + ".sha256", lib.name + ".lock"]
     )  # no temporary file left behind
+
+
+def test_a_build_says_so_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A build takes tens of seconds: it announces itself (with where it goes) before it
+    starts, so a first call is not a silent hang; the compiler itself is stubbed out here."""
+    calls: list[Path] = []
+    monkeypatch.setattr(cpu_native, "_compile", lambda cxx, dest, include: calls.append(dest))
+    dest = tmp_path / "lib.so"
+    cpu_native._build("c++", dest)
+    err = capsys.readouterr().err
+    assert calls == [dest]
+    assert "building the native CPU kernels" in err and str(dest) in err
