@@ -7,11 +7,16 @@ derives the same budget for every span of the collective buffer, in integer arit
 * **Demand** (:func:`span_statistics`): each rank pools ``floor(bits·N)`` bits over its own
   whole buffer of ``N`` values, by the codec's own reverse water-filling over every group of the
   buffer at once (one threshold for the buffer; non-finite values count as 0 and never enter
-  it), and counts the bits each span would get: its demand (bits, an int16, or an int32 for
-  spans of more than 4095 values). Two more slots follow: ``rank + 1`` if this rank holds a
-  finite value beyond ``max_input_abs`` (else 0), and the binade of its largest finite ``|x|``.
-* **Exchange**: one exact all-reduce (element-wise max) of those integers: the same bits/value
-  (``16 / span``) at any world size.
+  it), and counts the bits each span would get: its demand, sent as one byte, the nearest
+  multiple of ``u`` bits (at least one for a demand above 0; :func:`demand_unit`: the group
+  size for spans of up to ``255·group / 8`` values, so a demand of whole groups is exact with
+  the default spans of 256). Two more bytes follow: ``min(rank + 1, 255)`` if
+  this rank holds a finite value beyond ``max_input_abs`` (else 0), and the code of the
+  binade ``e`` of its largest finite ``|x|``: 0 for none, 1 for ``e <= -127``, else
+  ``e + 128``. Each byte is sent as an int8 less 128 (the maximum commutes with the shift).
+* **Exchange**: one exact all-reduce (element-wise max) of those bytes: the same bits/value
+  (``8 / span``) at any world size. The agreed demand of a span is ``u`` times its code (at
+  most ``8·len``).
 * **Budgets** (:func:`span_budgets`): span ``b`` of agreed demand ``M_b`` gets
   ``min(floor(M_b·B / ΣM / 8), len_b)`` bytes of ``B = 8·floor(floor(bits·N) / 8)`` bits, and
   the bytes left over go one each, in span order, to the spans below ``len_b`` bytes (8 bits a
@@ -50,9 +55,11 @@ __all__ = [
     "chunk_bytes",
     "chunk_kernel_args",
     "chunk_kernel_ptrs",
+    "decode_statistics",
     "gathered",
     "shared_from_statistics",
     "span_budgets",
+    "span_demand",
     "span_statistics",
 ]
 
@@ -69,8 +76,33 @@ _NATIVE_MIN = 1 << 16
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _dtype(codec: DynamiqCodec) -> torch.dtype:
-    return torch.int16 if 8 * codec.span < (1 << 15) else torch.int32
+#: the statistics' dtype: a byte each, sent less :data:`_SHIFT`
+STATS_DTYPE = torch.int8
+_SHIFT = 128
+#: the largest code of a byte of the statistics
+_CODE_MAX = 255
+
+
+def demand_unit(codec: DynamiqCodec) -> int:
+    """Bits of demand per step of a span's one-byte code: the least multiple of the group
+    size ``g`` in which a span's most, ``8·span`` bits, is at most 255 steps (``g`` for
+    spans of up to ``255·g / 8`` values: every demand of whole groups, a multiple of ``g``,
+    is then exact)."""
+    g = codec.group
+    return g * max(1, -(-8 * codec.span // (_CODE_MAX * g)))
+
+
+def _binade_code(worst: float) -> int:
+    """The code of the binade of the largest finite ``|x|`` (see the module docstring)."""
+    if not worst > 0:
+        return 0
+    e = int(exponent_of(torch.tensor([worst])).item())
+    return min(max(e + 128, 1), _CODE_MAX)
+
+
+def _binade_of(code: int) -> int | None:
+    """The binade a code stands for (an upper bound for code 1), ``None`` for code 0."""
+    return None if code <= 0 else max(code - 128, -127)
 
 
 def regions_of(
@@ -317,33 +349,59 @@ def _native_demand(
     return demand, worst
 
 
-def span_statistics(
-    codec: DynamiqCodec, x: torch.Tensor, rank: int, regions: list[tuple[int, int]]
-) -> torch.Tensor:
-    """This rank's statistics of its whole buffer ``x`` cut into ``regions``
-    (:func:`regions_of`): each span's demand (bits), then the bad-input flag and the largest
-    binade (see the module docstring)."""
+def span_demand(
+    codec: DynamiqCodec, x: torch.Tensor, regions: list[tuple[int, int]]
+) -> tuple[torch.Tensor, float]:
+    """Each span's demand (bits, int64, CPU) of this rank's whole buffer ``x`` cut into
+    ``regions``, and its largest finite ``|x|``: by the native kernel where it runs, else
+    the reference (the same numbers)."""
     flat = x.detach().reshape(-1)
     n, span, g = flat.numel(), codec.span, codec.group
     lens = _span_lengths(codec, regions)
-    n_spans = lens.numel()
-    out = torch.zeros(n_spans + 2, dtype=_dtype(codec))
     if n == 0:
-        out[-1] = -150
-        return out
+        return torch.zeros(lens.numel(), dtype=torch.int64), 0.0
     budget = math.floor(max(codec.bits - DEMAND_OFFSET, 0.5) * n)
     native = _native_demand(codec, flat, regions, budget)
     if native is not None:
         demand, worst = native
     else:
-        a_g, worst = _group_absmax(codec, flat, regions, n_spans)
+        a_g, worst = _group_absmax(codec, flat, regions, lens.numel())
         start = torch.arange(span // g, device=flat.device) * g
         sizes = (lens.to(flat.device).view(-1, 1) - start).clamp(0, g)  # padding weighs 0
         demand = _demand(codec, a_g, sizes, budget)
-    out[:n_spans] = demand.to(out.dtype).cpu()
-    out[n_spans] = min(rank + 1, (1 << 15) - 1) if worst > codec.max_input_abs else 0
-    out[n_spans + 1] = int(exponent_of(torch.tensor([worst])).item()) if worst > 0 else -150
-    return out
+    return demand.cpu().to(torch.int64), worst
+
+
+def span_statistics(
+    codec: DynamiqCodec, x: torch.Tensor, rank: int, regions: list[tuple[int, int]]
+) -> torch.Tensor:
+    """This rank's statistics of its whole buffer ``x`` cut into ``regions``
+    (:func:`regions_of`): each span's demand code (:func:`span_demand`), then the bad-input
+    flag and the largest binade's code, a byte each as :data:`STATS_DTYPE` less 128 (see the
+    module docstring)."""
+    demand, worst = span_demand(codec, x, regions)
+    unit, n_spans = demand_unit(codec), demand.numel()
+    codes = torch.zeros(n_spans + 2, dtype=torch.int64)
+    near = torch.div(demand + unit // 2, unit, rounding_mode="floor")  # nearest, >= 1 if > 0
+    codes[:n_spans] = torch.where(demand > 0, near.clamp(1, _CODE_MAX), 0)
+    codes[n_spans] = min(rank + 1, _CODE_MAX) if worst > codec.max_input_abs else 0
+    codes[n_spans + 1] = _binade_code(worst)
+    return (codes - _SHIFT).to(STATS_DTYPE)
+
+
+def decode_statistics(
+    codec: DynamiqCodec, stats: torch.Tensor
+) -> tuple[torch.Tensor, int, int | None]:
+    """What :func:`span_statistics` (or their maximum over ranks) say: each span's demand
+    (bits, int64, CPU), the bad-input flag (``rank + 1``, at most 255; 0: none) and the binade
+    of the largest finite ``|x|`` (``None``: no value above 0; -127 stands for -127 or below)."""
+    if stats.dtype != STATS_DTYPE or stats.numel() < 2:
+        raise ValueError(
+            f"dynamiq: statistics are {STATS_DTYPE}, two or more (got {stats.dtype}, "
+            f"{stats.numel()})"
+        )
+    codes = stats.detach().to(torch.int64).cpu().reshape(-1) + _SHIFT
+    return codes[:-2] * demand_unit(codec), int(codes[-2]), _binade_of(int(codes[-1]))
 
 
 def shared_from_statistics(
@@ -363,32 +421,32 @@ def shared_from_statistics(
     chunks (multiples of that many values): the regions become the cut of equal bytes
     (:func:`recut`), returned under ``CHUNK_BOUNDS_KEY`` (``dynamiq.collectives.planning``)
     for the engine."""
-    stats = reduced.to(torch.int64).cpu().reshape(-1)
     lens = _span_lengths(codec, regions)
     n_spans = lens.numel()
-    if stats.numel() != n_spans + 2:
+    if reduced.numel() != n_spans + 2:
         raise ValueError(
-            f"dynamiq: {stats.numel()} statistics for a buffer of {numel} values "
+            f"dynamiq: {reduced.numel()} statistics for a buffer of {numel} values "
             f"({n_spans} spans + 2 expected)"
         )
-    bad, top = int(stats[n_spans]), int(stats[n_spans + 1])
+    demand, bad, top = decode_statistics(codec, reduced)
     if bad:
+        who = f"rank {bad - 1}" if bad < _CODE_MAX else f"a rank numbered {_CODE_MAX - 1} or more"
         raise ValueError(
-            f"dynamiq: rank {bad - 1} holds a value beyond max_input_abs="
+            f"dynamiq: {who} holds a value beyond max_input_abs="
             f"{codec.max_input_abs!r} (a super-group scale would round up to infinity)"
         )
     # every decoded partial sum is within (1 + 2^-7) of its own absmax (the bf16 round-up),
     # so c contributions of absmax <= A stay below c·A·(1 + 2^-7)^(c - 1)
     c = max(world_size, 1)
     log_growth = math.log2(c) + (c - 1) * math.log2(1 + 2.0**-7)
-    if top > -150 and top + 1 + log_growth > math.log2(codec.max_input_abs):
+    if top is not None and top + 1 + log_growth > math.log2(codec.max_input_abs):
         limit = 2.0 ** max(math.log2(codec.max_input_abs) - log_growth, -1074.0)
         raise ValueError(
             f"dynamiq: a value of |x| >= 2^{top} on some rank: partial sums of {c} ranks could "
             f"exceed max_input_abs={codec.max_input_abs!r}; keep |x| below {limit:.3g}"
         )
-    # (a span never demands more than 8 bits a value: a peer's larger number is clamped)
-    demand = torch.minimum(stats[:n_spans].clamp(min=0), 8 * lens)
+    # (a span never demands more than 8 bits a value: a larger code is clamped)
+    demand = torch.minimum(demand, 8 * lens)
     out: dict[str, Any] = {}
     parts = len(regions) if parts is None else parts
     if recut_align is not None and parts > 1 and numel > 0:

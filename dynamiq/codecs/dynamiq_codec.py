@@ -14,14 +14,14 @@ of **groups** of ``group`` values (16). Per span, the wire holds:
 **The budget ``B`` of a span**, known to both ends before any byte of it arrives:
 
 * ``pooling="bucket"`` (default) inside a collective: the codec's :meth:`DynamiqCodec.prologue`
-  (one exact all-reduce of an int16 per span, :mod:`dynamiq.codecs._dynamiq_pool`) gives
+  (one exact all-reduce of a byte per span, :mod:`dynamiq.codecs._dynamiq_pool`) gives
   every rank the same per-span demand, and from it every rank derives the same budget of
   every span: the bucket's ``floor(bits_k · N)`` bits pooled over all its spans. In an
   all-reduce the prologue also moves the engine's chunk cuts to equal bytes (each chunk
   within 1.1 times the mean chunk's values), and every chunk holds at most ``balance``
   times the mean chunk's uniform share (so every rank sends about as much in every round).
   Bytes per value (prologue included) stay
-  ``bits_k + 80/span + 16/span`` bits: 4.995 by default (5.0 at most);
+  ``bits_k + 80/span + 8/span`` bits: 4.964 by default (5.0 at most);
 * ``pooling="span"``, or without the prologue's result (``ctx.shared``): ``floor(bits_k ·
   len)`` for a span of ``len`` values (the first version's design: pooled over the span only;
   ``span=65536, super_group=1024, bits=4.7`` is that version's default, wire-identical).
@@ -508,7 +508,7 @@ class DynamiqCodec(Codec):
 
     def prologue(self, x: torch.Tensor, comm: Any) -> dict[str, Any] | None:
         """``pooling="bucket"``: agree on every span's demand by one exact all-reduce (max)
-        of int16s, and check the input range on every rank (see
+        of a byte a span, and check the input range on every rank (see
         :mod:`dynamiq.codecs._dynamiq_pool`); ``None`` for ``pooling="span"``. The chunks
         come from ``comm.chunks`` (the engine's), else the whole buffer is one region."""
         from dynamiq.collectives.handshake import allreduce_exact  # not at import: cycle

@@ -52,8 +52,8 @@ VICTIM = 1
 SUB_CHUNK = 4096
 #: the bit flipped: payload (bit 0 of its first byte), header (bit 7 of the length: another
 #: size the codec can produce), bound (the lowest exponent bit: twice or half the bound),
-#: prologue (bit 30 of a 4-byte value: the top exponent bit of THC's fp32 scale, 2^30 more
-#: or less demand in DynamiQ's int32; bit 14 of an int16)
+#: prologue (bit 30 of a 4-byte value: the top exponent bit of THC's fp32 scale; bit 6 of
+#: DynamiQ's int8 demand code: 64 units more or less)
 _FLIP = {"payload": 0, "header": 7, "bound": 0, "prologue": 30}
 _NAMED = (
     "IntegrityError",

@@ -6,8 +6,9 @@ A fixture with a ``prologue`` (``{"ranks": n}``) freezes a codec whose wire size
 prologue (pooled DynamiQ): ``n`` ranks (rank 0 holds the input; rank ``r`` the input rolled by
 ``97 r`` and scaled by ``2^-r``; the input's first third is scaled by ``2^-24``) run it in
 process over the ring's even chunks, free to re-cut them; ``shared.json`` holds the agreed
-chunk bounds, and the payload is rank 0's chunks encoded one after the other at their
-offsets.
+chunk bounds, ``statistics.bin`` rank 0's prologue message (a prologue that is one
+all-reduce of ``prologue_statistics``), and the payload is rank 0's chunks encoded one after
+the other at their offsets.
 :func:`check_golden` re-encodes the input and compares bytes, so any change to a wire format
 fails loudly. Regenerate (only for a deliberate, documented format change) with::
 
@@ -146,6 +147,18 @@ def _pooled(
     return dataclasses.replace(ctx, shared=shared), list(shared.get(CHUNK_BOUNDS_KEY, chunks))
 
 
+def _statistics(codec: Codec, x: torch.Tensor, ranks: int) -> torch.Tensor | None:
+    """Rank 0's prologue message (its ``prologue_statistics`` over the ring's even chunks) as
+    bytes, or ``None`` for a prologue of another kind."""
+    from dynamiq.collectives.planning import chunk_bounds
+
+    stats = getattr(codec, "prologue_statistics", None)
+    if not callable(stats):
+        return None
+    got = stats(x, 0, chunk_bounds(x.numel(), ranks, codec.block_size))
+    return None if got is None else got.contiguous().view(torch.uint8).reshape(-1)
+
+
 def _encode(codec: Codec, x: torch.Tensor, ctx: HopContext, pieces: list) -> torch.Tensor:
     parts = [
         codec.encode(x[a:b].contiguous(), dataclasses.replace(ctx, offset=ctx.offset + a))
@@ -201,6 +214,9 @@ def write_golden(
         x = torch.cat([x[: x.numel() // 3] * 2.0**-24, x[x.numel() // 3 :]])
         ctx, pieces = _pooled(codec, x, ctx, prologue["ranks"])
         (folder / "shared.json").write_text(json.dumps({"chunk_bounds": pieces}) + "\n")
+        stats = _statistics(codec, x, prologue["ranks"])
+        if stats is not None:
+            (folder / "statistics.bin").write_bytes(stats.numpy().tobytes())
     payload = _encode(codec, x, ctx, pieces)
     decoded = _decode(codec, payload, ctx, pieces)
     meta: dict[str, Any] = {"codec": codec.get_config(), "ctx": ctx_fields, "numel": x.numel()}
@@ -226,6 +242,12 @@ def check_golden(codec: Codec, fixtures_dir: str | Path, name: str | None = None
     if "prologue" in meta:
         frozen = json.loads((folder / "shared.json").read_text())["chunk_bounds"]
         assert pieces == [tuple(p) for p in frozen], f"{folder}: chunk bounds {pieces}"
+        if (folder / "statistics.bin").is_file():
+            want_stats = (folder / "statistics.bin").read_bytes()
+            got_stats = _statistics(codec, x, meta["prologue"]["ranks"])
+            assert got_stats is not None and got_stats.numpy().tobytes() == want_stats, (
+                f"{codec!r}: prologue statistics differ from {folder}/statistics.bin"
+            )
     expected = torch.frombuffer(bytearray((folder / "payload.bin").read_bytes()), dtype=torch.uint8)
     payload = _encode(codec, x, ctx, pieces)
     if not torch.equal(payload, expected):

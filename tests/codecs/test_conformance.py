@@ -57,6 +57,25 @@ def test_golden_detects_a_changed_byte(tmp_path: Path) -> None:
         check_golden(get_codec("mxfp4"), tmp_path)
 
 
+def test_golden_detects_a_changed_prologue_message(tmp_path: Path) -> None:
+    """The pooled fixture freezes rank 0's prologue statistics (a byte a span)."""
+    import shutil
+
+    shutil.copytree(FIXTURES / "dynamiq_pooled", tmp_path / "dynamiq_pooled")
+    stats = tmp_path / "dynamiq_pooled" / "statistics.bin"
+    raw = bytearray(stats.read_bytes())
+    from dynamiq.collectives.planning import chunk_bounds
+
+    numel = (FIXTURES / "dynamiq_pooled" / "input.bin").stat().st_size // 4
+    spans = sum(-(-(b - a) // 256) for a, b in chunk_bounds(numel, 3, 256))
+    assert len(raw) == spans + 2  # a byte a span of each chunk, and the two flags
+    raw[5] ^= 0x01
+    stats.write_bytes(bytes(raw))
+    spec = EXTRA_FIXTURES["dynamiq_pooled"]["codec"]
+    with pytest.raises(AssertionError, match="prologue statistics differ"):
+        check_golden(get_codec(spec), tmp_path, "dynamiq_pooled")
+
+
 @pytest.mark.parametrize("name", list_codecs())
 def test_bounds_are_tight(name: str) -> None:
     assert check_bound_tight(get_codec(name)) >= 0.5

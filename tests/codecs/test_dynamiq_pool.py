@@ -164,6 +164,65 @@ def test_partial_sums_that_could_overflow_raise() -> None:
         prologue(codec, xs)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"span": 4096, "super_group": 256}, {"span": 1280, "group": 5, "super_group": 80}],
+)
+def test_statistics_are_a_byte_a_span_and_decode_to_the_demand(config: dict) -> None:
+    """One int8 per span and two flags; the demand of whole groups decodes exactly where the
+    unit is the group (default), else to the nearest multiple of the unit (never 0 for a
+    demand above 0, at most 255 units), against :func:`span_demand` computed apart."""
+    codec = DynamiqCodec(**config)
+    x = grads(40_000, 3)
+    x[:5000] *= 2.0**-40  # spans of tiny demand
+    regions = pool.regions_of(codec, x.numel(), None)
+    stats = pool.span_statistics(codec, x, 0, regions)
+    demand, worst = pool.span_demand(codec, x, regions)
+    assert stats.dtype == torch.int8 and stats.numel() == demand.numel() + 2
+    got, bad, top = pool.decode_statistics(codec, stats)
+    unit = pool.demand_unit(codec)
+    assert 8 * codec.span <= 255 * unit and unit % codec.group == 0
+    if unit == codec.group:
+        assert torch.equal(got, demand)
+    else:
+        near = (got - demand).abs() <= unit // 2
+        assert bool((near | (got == 255 * unit) | ((got == unit) & (demand > 0))).all())
+    assert bool(((got > 0) == (demand > 0)).all()) and bool(got.gt(0).any())
+    assert bad == 0 and top == math.frexp(worst)[1] - 1
+
+
+@pytest.mark.parametrize(
+    ("value", "binade"),
+    [
+        (0.0, None),
+        (2.0**-149, -127),
+        (2.0**-127, -127),
+        (1.5 * 2.0**-126, -126),
+        (1.9 * 2.0**126, 126),
+    ],
+)
+def test_the_largest_binade_takes_one_byte(value: float, binade: int | None) -> None:
+    """Binades at and below the byte's range: the code keeps an upper bound (the overflow
+    check only needs one); no finite value above 0: none."""
+    codec = DynamiqCodec()
+    x = torch.zeros(512)
+    x[7] = value
+    stats = pool.span_statistics(codec, x, 0, [(0, 512)])
+    assert pool.decode_statistics(codec, stats)[2] == binade
+
+
+def test_ranks_past_the_flag_byte_are_named_so() -> None:
+    codec = DynamiqCodec()
+    x = torch.zeros(256)
+    x[3] = 3.0e38
+    for rank, who in ((0, "rank 0 holds"), (253, "rank 253 holds"), (254, "254 or more")):
+        stats = pool.span_statistics(codec, x, rank, [(0, 256)])
+        with pytest.raises(ValueError, match=who):
+            pool.shared_from_statistics(codec, stats, 256, 300, [(0, 256)])
+    with pytest.raises(ValueError, match="statistics are torch.int8"):
+        pool.shared_from_statistics(codec, stats.to(torch.int16), 256, 300, [(0, 256)])
+
+
 CONFIGS = [
     {},
     {"span": 1024, "super_group": 256, "group": 32, "rounding": "stochastic"},
@@ -244,8 +303,8 @@ def test_pooling_beats_span_local_budgets_on_layered_data() -> None:
     xs = [grads(1 << 15, s) for s in range(4)]
     pooled = simulate_allreduce(xs, DynamiqCodec(), "ring", seed=0, return_bound=False)
     local = simulate_allreduce(xs, DynamiqCodec(pooling="span"), "ring", seed=0)
-    # the prologue: an int16 per span (and two more) through a ring: ~16/256 bits a value
-    assert pooled.bits_per_value() <= local.bits_per_value() + 0.07
+    # the prologue: a byte per span (and two more) through a ring: ~8/256 bits a value
+    assert pooled.bits_per_value() <= local.bits_per_value() + 0.035
     assert pooled.vnmse < local.vnmse / 4
 
 
