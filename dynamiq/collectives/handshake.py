@@ -48,6 +48,7 @@ __all__ = [
     "PrologueComm",
     "agree",
     "allreduce_exact",
+    "allreduce_steps",
     "describe_difference",
     "local_prologues",
     "run_prologue",
@@ -56,8 +57,9 @@ __all__ = [
 #: Version of the engine's wire protocol (message order, headers); ranks must agree on it.
 #: 2: sealed length headers; 3: sealed prologue messages, seals by zlib's CRC-32 everywhere
 #: (dynamiq/collectives/integrity.py); 4: a prologue may re-cut the chunks
-#: (planning.CHUNK_BOUNDS_KEY)
-WIRE_VERSION = 4
+#: (planning.CHUNK_BOUNDS_KEY); 5: the prologue's exact all-reduce halves and doubles on
+#: power-of-two worlds (:func:`allreduce_steps`)
+WIRE_VERSION = 5
 
 #: Largest handshake message accepted (bytes): anything larger is a malformed peer.
 _MAX_BLOB = 1 << 24
@@ -91,6 +93,52 @@ def _combine(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor:
     if op == "sum":
         return a + b
     return torch.maximum(a, b) if op == "max" else torch.minimum(a, b)
+
+
+def allreduce_steps(
+    n: int, length: int, rank: int
+) -> list[tuple[int | None, tuple[int, int], int | None, tuple[int, int], bool]]:
+    """The steps of :meth:`PrologueComm.allreduce` on ``rank`` of ``n`` for a tensor of
+    ``length`` values: per step, the peer it sends to and the ``[a, b)`` values it sends, the
+    peer it receives from and the values the message lands on (combined with them in the
+    reduce-scatter half, ``reducing``; copied in the all-gather half); a peer is ``None``
+    where its values are empty (nothing is sent, and the other end expects nothing).
+
+    The tensor is cut into ``n`` pieces (piece ``i``: ``[length·i // n, length·(i+1) // n)``).
+    A power-of-two ``n`` halves (reduce-scatter: the partner ``rank ^ m``, ``m = n/2 ... 1``,
+    gets the half of this rank's range without ``rank``) then doubles (all-gather, ``m = 1
+    ... n/2``): ``2 log2 n`` steps. Any other ``n`` runs a ring: ``2 (n - 1)`` steps to the
+    next rank and from the previous. Both send ``2 (n - 1) / n`` of the tensor's bytes."""
+    bounds = [length * i // n for i in range(n + 1)]
+
+    def span(i: int, j: int) -> tuple[int, int]:
+        return bounds[i], bounds[j]
+
+    raw: list[tuple[int, tuple[int, int], int, tuple[int, int], bool]] = []
+    if n & (n - 1) == 0:
+        lo, hi, m = 0, n, n >> 1
+        while m:  # reduce-scatter: keep the half holding piece `rank`
+            mid = (lo + hi) // 2
+            keep, give = ((mid, hi), (lo, mid)) if rank & m else ((lo, mid), (mid, hi))
+            raw.append((rank ^ m, span(*give), rank ^ m, span(*keep), True))
+            (lo, hi), m = keep, m >> 1
+        m = 1
+        while m < n:  # all-gather: this rank's block of m pieces for the partner's
+            mine, theirs = rank // m * m, (rank ^ m) // m * m
+            raw.append((rank ^ m, span(mine, mine + m), rank ^ m, span(theirs, theirs + m), False))
+            m <<= 1
+    else:
+        nxt, prv = (rank + 1) % n, (rank - 1) % n
+        for step in range(2 * (n - 1)):
+            reducing = step < n - 1
+            s = step if reducing else step - (n - 1)
+            send = (rank - s) % n if reducing else (rank + 1 - s) % n
+            into = (rank - s - 1) % n if reducing else (rank - s) % n
+            raw.append((nxt, span(send, send + 1), prv, span(into, into + 1), reducing))
+    return [
+        (to if b > a else None, (a, b), frm if d > c else None, (c, d), red)
+        for to, (a, b), frm, (c, d), red in raw
+    ]
 
 
 def allreduce_exact(comm: Any, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -225,31 +273,21 @@ class PrologueComm:
 
     def allreduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """The element-wise ``op`` of every rank's integer ``tensor`` (same shape and dtype
-        everywhere) by a ring: a reduce-scatter, then an all-gather, ``2 (n - 1)`` rounds of
-        one message to the next rank and one from the previous, ``2 (n - 1) / n`` times the
-        tensor's bytes in all (use :func:`allreduce_exact`, which checks the arguments)."""
-        n, r = self.world_size, self.rank
+        everywhere): a reduce-scatter, then an all-gather, by halving and doubling on a
+        power-of-two world, else by a ring (:func:`allreduce_steps`), ``2 (n - 1) / n`` times
+        the tensor's bytes in all (use :func:`allreduce_exact`, which checks the arguments)."""
         out = tensor.detach().reshape(-1).clone()
-        if n == 1 or out.numel() == 0:
+        if self.world_size == 1 or out.numel() == 0:
             return out.view(tensor.shape)
-        bounds = [out.numel() * i // n for i in range(n + 1)]
-        nxt, prv = (r + 1) % n, (r - 1) % n
-
-        def piece(i: int) -> torch.Tensor:
-            i %= n
-            return out[bounds[i] : bounds[i + 1]]
-
-        for step in range(2 * (n - 1)):
-            reducing = step < n - 1
-            s = step if reducing else step - (n - 1)
-            send = piece(r - s) if reducing else piece(r + 1 - s)
-            dst = piece(r - s - 1) if reducing else piece(r - s)
-            # an empty piece is not sent (the ring's step still counts)
+        for to, (a, b), frm, (c, d), reducing in allreduce_steps(
+            self.world_size, out.numel(), self.rank
+        ):
+            dst = out[c:d]
             got = self._swap(
-                {nxt: send} if send.numel() else {}, {prv: dst} if dst.numel() else {}
-            ).get(prv)
-            if got is not None:
-                dst.copy_(_combine(dst, got, op) if reducing else got)
+                {to: out[a:b]} if to is not None else {}, {frm: dst} if frm is not None else {}
+            )
+            if frm is not None:
+                dst.copy_(_combine(dst, got[frm], op) if reducing else got[frm])
         return out.view(tensor.shape)
 
 

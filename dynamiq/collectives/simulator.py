@@ -47,7 +47,7 @@ from dynamiq.codecs.passthrough import BF16Codec, FP16Codec, FP32Codec
 from .bounds import fp32_add_slack as _slack
 from .bounds import group_size as _group_size
 from .engine import EngineResult
-from .handshake import local_prologues
+from .handshake import allreduce_steps, local_prologues
 from .integrity import message_extra
 from .planning import CtxKey, Plan, chunk_layout, layout_align, prologue_bounds
 from .schedules import Schedule
@@ -510,8 +510,8 @@ class _Sim:
 
     def reduced_prologue(self, codec: Any, xs: Sequence[torch.Tensor]) -> None:
         """A prologue that is one exact all-reduce of per-rank statistics, in process: the
-        same result as the engine's ring (:meth:`PrologueComm.allreduce`), whose bytes are
-        counted (each rank sends every piece but one in each half, receives likewise)."""
+        same result as the engine's (:meth:`PrologueComm.allreduce`), whose bytes are
+        counted step by step (:func:`~dynamiq.collectives.handshake.allreduce_steps`)."""
         chunks = list(self.bounds)
         got = _reduce_statistics(
             codec, (codec.prologue_statistics(xs[r], r, chunks) for r in range(self.n))
@@ -523,17 +523,16 @@ class _Sim:
         shared = codec.prologue_result(red, xs[0].numel(), self.n, chunks, self.align)
         self.shared = [shared] * self.n
         n, length, size = self.n, first.numel(), first.element_size()
-        if n == 1:
+        if n == 1 or length == 0:
             return
-        piece = [length * (i + 1) // n - length * i // n for i in range(n)]
         seal = message_extra(first) * size  # each non-empty message is sealed
         for r in range(n):
-            self.sent[r] += size * (2 * length - piece[(r + 1) % n] - piece[(r + 2) % n])
-            self.received[r] += size * (2 * length - piece[r] - piece[(r + 1) % n])
-            # the ring sends piece r - s (reduce-scatter), then r + 1 - s (all-gather)
-            sends = [piece[(r - s) % n] for s in range(n - 1)]
-            sends += [piece[(r + 1 - s) % n] for s in range(n - 1)]
-            self.checks[r] += seal * sum(1 for p in sends if p)
+            for to, (a, b), frm, (c, d), _ in allreduce_steps(n, length, r):
+                if to is not None:
+                    self.sent[r] += size * (b - a)
+                    self.checks[r] += seal
+                if frm is not None:
+                    self.received[r] += size * (d - c)
 
     def finish(self) -> list[EngineResult]:
         """Each rank's output: its raw values, and the decoded bytes of what it holds encoded

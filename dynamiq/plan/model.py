@@ -33,6 +33,7 @@ from typing import Any
 
 from dynamiq.codecs import HopContext, get_codec
 from dynamiq.collectives import get_schedule
+from dynamiq.collectives.handshake import allreduce_steps
 from dynamiq.collectives.planning import chunk_layout, plan_schedule
 
 from .costs import CodecCost, Host, Link
@@ -127,12 +128,13 @@ class _CountingComm:
         return [tensor] * self.world_size
 
     def allreduce(self, tensor: Any, op: str) -> Any:
-        """The engine's ring (``PrologueComm.allreduce``): ``2 (n - 1) / n`` of the bytes
-        (rank 0's share: every piece but pieces 1 and 2 of ``n``)."""
+        """The engine's (``PrologueComm.allreduce``): rank 0's sends of
+        :func:`~dynamiq.collectives.handshake.allreduce_steps`, ``2 (n - 1) / n`` of the
+        bytes."""
         n, length = self.world_size, tensor.numel()
         if n > 1:
-            piece = [length * (i + 1) // n - length * i // n for i in range(n)]
-            self.bytes_sent += tensor.element_size() * (2 * length - piece[1 % n] - piece[2 % n])
+            sent = sum(b - a for to, (a, b), *_ in allreduce_steps(n, length, 0) if to is not None)
+            self.bytes_sent += tensor.element_size() * sent
         return tensor
 
 

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from dynamiq.collectives.handshake import allreduce_steps
+
 from .distributed import run_gloo
 from .faults import FAULTS, KILLED, FaultyTransport
 
@@ -102,11 +104,14 @@ def _schedule_options(cell: Cell) -> dict[str, Any]:
 
 
 def _strike_at(cell: Cell) -> int:
-    """Which message the fault strikes: reorder the first two sub-chunks; a prologue message
-    of DynamiQ's ring all-reduce in its all-gather half (step ``n - 1``: only the ranks after
-    the victim would see it), THC's first; else the second payload."""
+    """Which message the fault strikes: reorder the first two sub-chunks; the first message
+    of DynamiQ's prologue all-reduce in its all-gather half (its reduce-scatter takes one
+    message a step, :func:`~dynamiq.collectives.handshake.allreduce_steps`: only some ranks
+    would see it), THC's first; else the second payload."""
     if cell.fault == "prologue":
-        return cell.world - 1 if cell.codec == "dynamiq" else 0
+        if cell.codec != "dynamiq":
+            return 0
+        return sum(1 for *_, reducing in allreduce_steps(cell.world, 1 << 20, VICTIM) if reducing)
     return 0 if cell.fault == "reorder" else 1
 
 

@@ -19,7 +19,12 @@ from dynamiq.codecs import _dynamiq_pool as pool
 from dynamiq.codecs.dynamiq_codec import DynamiqCodec
 from dynamiq.collectives import simulate_allreduce
 from dynamiq.collectives.cuts import check_cut_invariance
-from dynamiq.collectives.handshake import PrologueComm, allreduce_exact, local_prologues
+from dynamiq.collectives.handshake import (
+    PrologueComm,
+    allreduce_exact,
+    allreduce_steps,
+    local_prologues,
+)
 from dynamiq.collectives.transport import LocalCluster, run_threads
 
 
@@ -36,11 +41,16 @@ def prologue(codec: DynamiqCodec, xs: list[torch.Tensor], chunks=None) -> list[d
     return local_prologues(codec, xs, chunks, timeout=30.0)[0]
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("length", [37, 3])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("op", ["max", "min", "sum"])
-def test_ring_allreduce_is_exact_and_costs_2_n_minus_1_over_n(n: int, op: str) -> None:
+def test_allreduce_is_exact_and_costs_2_n_minus_1_over_n(n: int, op: str, length: int) -> None:
+    """Halving and doubling (2, 4, 8 ranks) or a ring (3, 5), pieces empty where the tensor
+    has fewer values than ranks: the exact int64 reference on every rank."""
     g = torch.Generator().manual_seed(n)
-    ts = [torch.randint(-(2**14), 2**14, (37,), generator=g, dtype=torch.int16) for _ in range(n)]
+    ts = [
+        torch.randint(-(2**14), 2**14, (length,), generator=g, dtype=torch.int16) for _ in range(n)
+    ]
     cluster = LocalCluster(n)
     comms = [PrologueComm(cluster.transport(r), 30.0) for r in range(n)]
     got = run_threads(n, lambda r: allreduce_exact(comms[r], ts[r], op))
@@ -49,7 +59,40 @@ def test_ring_allreduce_is_exact_and_costs_2_n_minus_1_over_n(n: int, op: str) -
     for r in range(n):
         assert torch.equal(got[r], want)
     # every piece travels n - 1 times in the reduce-scatter and n - 1 in the all-gather
-    assert sum(c.bytes_sent for c in comms) == 2 * (n - 1) * ts[0].numel() * 2
+    assert sum(c.bytes_sent for c in comms) == 2 * (n - 1) * length * 2
+    assert sum(c.bytes_received for c in comms) == 2 * (n - 1) * length * 2
+    steps = 2 * (n - 1) if n & (n - 1) else 2 * (n.bit_length() - 1)
+    assert all(c.steps == (steps if n > 1 else 0) for c in comms)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6, 8, 16])
+def test_allreduce_steps_pair_every_send_with_its_receive(n: int) -> None:
+    """Step by step, what a rank sends is what its peer expects, on the same values; the
+    reduce-scatter leaves each piece on one rank, combined from every rank's."""
+    length = 1000
+    plans = [allreduce_steps(n, length, r) for r in range(n)]
+    assert len({len(p) for p in plans}) == 1
+    for k in range(len(plans[0])):
+        for r in range(n):
+            to, sent, _, _, reducing = plans[r][k]
+            assert to is not None and to != r
+            _, _, frm, into, red = plans[to][k]
+            assert frm == r and into == sent and red == reducing
+    # who holds what: follow the contributions through the reduce-scatter
+    has = [[{r} for _ in range(n)] for r in range(n)]  # has[r][piece]: ranks summed in
+    bounds = [length * i // n for i in range(n + 1)]
+    for k in range(len(plans[0])):
+        if not plans[0][k][4]:
+            break
+        new = [[set(h) for h in row] for row in has]
+        for r in range(n):
+            to, (a, b), *_ = plans[r][k]
+            for i in range(n):
+                if a <= bounds[i] and bounds[i + 1] <= b:
+                    new[to][i] |= has[r][i]
+        has = new
+    done = [[i for i in range(n) if has[r][i] == set(range(n))] for r in range(n)]
+    assert sorted(p for d in done for p in d) == list(range(n))
 
 
 def test_allreduce_exact_refuses_floats_and_unknown_ops() -> None:
