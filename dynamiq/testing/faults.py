@@ -18,7 +18,7 @@ alone. Faults, each hitting the ``at``-th payload (counted from 0) and what goes
   flipped (``flip`` names the bit);
 - ``prologue``: one bit of the ``at``-th message of the codec's prologue is flipped (the
   prologue's messages are the ones of another dtype than ``uint8``, ``int64`` and
-  ``float64``: DynamiQ's ring all-reduce of int8 demands, THC's all-gather of fp32
+  ``float64``: DynamiQ's all-reduce of int8 demands, THC's all-gather of fp32
   scales).
 
 A fault that cannot apply (no header: fixed-size codec; no bound; no next payload) leaves
