@@ -243,6 +243,7 @@ def _summarise(
             "seconds": seconds,
             "seconds_min": min(per_repeat),
             "seconds_max": max(per_repeat),
+            "repeats_s": per_repeat,  # each repeat's slowest rank (pool methods run twice)
         }
         if method["kind"] == "torch":
             bits = float(_TORCH_BITS[method["dtype"]])
