@@ -121,10 +121,11 @@ class _CountingComm:
     layout only) and hands every rank's tensor back as its own."""
 
     def __init__(self, ranks: int):
-        self.rank, self.world_size, self.bytes_sent = 0, ranks, 0
+        self.rank, self.world_size, self.bytes_sent, self.steps = 0, ranks, 0, 0
 
     def allgather(self, tensor: Any) -> list[Any]:
         self.bytes_sent += tensor.numel() * tensor.element_size() * (self.world_size - 1)
+        self.steps += 1 if self.world_size > 1 else 0
         return [tensor] * self.world_size
 
     def allreduce(self, tensor: Any, op: str) -> Any:
@@ -132,23 +133,32 @@ class _CountingComm:
         :func:`~dynamiq.collectives.handshake.allreduce_steps`, ``2 (n - 1) / n`` of the
         bytes."""
         n, length = self.world_size, tensor.numel()
-        if n > 1:
-            sent = sum(b - a for to, (a, b), *_ in allreduce_steps(n, length, 0) if to is not None)
+        if n > 1 and length:
+            steps = allreduce_steps(n, length, 0)
+            sent = sum(b - a for to, (a, b), *_ in steps if to is not None)
             self.bytes_sent += tensor.element_size() * sent
+            self.steps += len(steps)
         return tensor
 
 
-def prologue_bytes(codec: Any, ranks: int, numel: int) -> int:
-    """Bytes a rank sends in ``codec``'s prologue (0 without one), from a run on zeros."""
+def prologue_exchange(codec: Any, ranks: int, numel: int) -> tuple[int, int]:
+    """Bytes a rank sends in ``codec``'s prologue and the exchange's steps, one after the
+    other (an all-gather: one; an exact all-reduce: ``allreduce_steps``'); ``(0, 0)``
+    without a prologue. From a run on zeros."""
     import torch
 
     c = get_codec(codec)
     prologue = getattr(c, "prologue", None)
     if not callable(prologue):
-        return 0
+        return 0, 0
     comm = _CountingComm(ranks)
     prologue(torch.zeros(numel), comm)
-    return comm.bytes_sent
+    return comm.bytes_sent, comm.steps
+
+
+def prologue_bytes(codec: Any, ranks: int, numel: int) -> int:
+    """Bytes a rank sends in ``codec``'s prologue (0 without one), from a run on zeros."""
+    return prologue_exchange(codec, ranks, numel)[0]
 
 
 def wire_bytes(
@@ -251,6 +261,8 @@ class _Sim:
     cost_of: _CostOf
     clocks: list[float]
     rounds: list[dict[str, float]] = field(default_factory=list)
+    #: the prologue's bytes a rank sends and its steps (:func:`prologue_exchange`)
+    prologue: tuple[int, int] = (0, 0)
 
 
 def _make_msgs(plan: Any, pieces: Any, n: int) -> tuple[dict[tuple[Any, ...], _Msg], bool]:
@@ -334,10 +346,14 @@ class _Rank:
         sim, r = self.sim, self.r
         if callable(getattr(sim.c, "prologue", None)):
             yield ("cpu", (sim.costs.prologue(sim.numel) * self.slow, "prologue"))
-            # the all-gather of a few values: one latency out and one back, at least
+            # its exchange: a latency a step (one out and one back at least), and its bytes
+            # at the slowest link's goodput
             n = sim.cluster.ranks
-            lat = max(sim.cluster.link(r, p).latency_s for p in range(n) if p != r)
-            yield ("idle", (2 * lat, "prologue"))
+            links = [sim.cluster.link(r, p) for p in range(n) if p != r]
+            lat = max(link.latency_s for link in links)
+            rate = min(link.rate_bps * link.efficiency for link in links)
+            nbytes, steps = sim.prologue
+            yield ("idle", (max(2, steps) * lat + 8 * nbytes / rate, "prologue"))
 
     def post_receives(self, k: int, ahead: bool) -> Generator[_Step, None, list[_Recv]]:
         """Post round ``k``'s receives (unless posted a round ahead) and, looking ahead,
@@ -448,9 +464,10 @@ def simulate(
     phases = [dict.fromkeys(PHASES, 0.0) for _ in range(n)]
     cost_of = _CostOf(c, key, costs, intra_costs)
     sim = _Sim(c, sched, plan, pieces, msgs, cluster, costs, host, numel, cost_of, clocks)
+    sim.prologue = prologue_exchange(c, n, numel)
     runner = _Runner([_Rank(sim, r).run() for r in range(n)], clocks, phases, _Net(cluster), host)
     runner.run()
-    sent = [prologue_bytes(c, n, numel)] * n
+    sent = [sim.prologue[0]] * n
     for m in msgs.values():
         sent[m.src] += m.nbytes
     carried = 2 * (n - 1) / n * numel

@@ -12,7 +12,7 @@ from dynamiq.bench.cli import main
 from dynamiq.codecs import get_codec
 from dynamiq.collectives import simulate_allreduce
 from dynamiq.plan.costs import CodecCost, Cost, Host, Link, load_kernel_table
-from dynamiq.plan.model import Cluster, simulate, wire_bytes
+from dynamiq.plan.model import Cluster, prologue_exchange, simulate, wire_bytes
 
 ZERO = CodecCost(Cost(), Cost(), Cost())
 LOCKSTEP = Host(lookahead=False)
@@ -95,6 +95,25 @@ def test_exchange_efficiency_is_derived_from_the_exchange_patterns_bytes() -> No
     assert exchange_sizes(6, size) == exchange_sizes(4, size)  # the power of two below
     seconds = 8 * 1.5 * size / bps / 0.85
     assert exchange_efficiency(4, size, seconds, bps) == pytest.approx(0.85, rel=1e-12)
+
+
+@pytest.mark.parametrize(("n", "steps"), [(2, 2), (3, 4), (4, 4), (5, 8), (8, 6)])
+def test_the_prologue_exchange_is_its_steps_and_bytes(n: int, steps: int) -> None:
+    """DynamiQ's prologue: one exact all-reduce of a byte a span and two flags, halving and
+    doubling on 2, 4, 8 ranks, a ring on 3 and 5; its phase is the CPU plus a latency a step
+    and its bytes at the link's goodput (THC's all-gather: one step)."""
+    numel, rate, alpha = 1 << 16, 1e8, 1e-3
+    nbytes, got = prologue_exchange("dynamiq", n, numel)
+    assert got == steps
+    stats = numel // 256 + 2  # int8 statistics, the ring's even chunks
+    assert abs(nbytes - 2 * (n - 1) / n * stats) <= 2 * n
+    pro = Cost(per_value=1e-9)
+    costs = CodecCost(Cost(), Cost(), Cost(), pro)
+    p = simulate("dynamiq", "ring", Cluster(n, Link(rate, alpha)), numel, costs, LOCKSTEP)
+    want = pro(numel) + max(2, steps) * alpha + 8 * nbytes / rate
+    assert p.phases["prologue"] == pytest.approx(want, rel=1e-9)
+    assert prologue_exchange("thc", n, numel)[1] == 1
+    assert prologue_exchange("int8", n, numel) == (0, 0)
 
 
 @pytest.mark.parametrize("schedule", ["ring", "butterfly"])
