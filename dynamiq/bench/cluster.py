@@ -12,11 +12,14 @@ same fp32 buffer with:
 
 Each method runs ``warmup`` untimed then ``repeats`` timed all-reduces, each started together
 after a barrier; a repeat's time is the slowest rank's, and the table gives the median over
-repeats. Beside it: the speed-up against PyTorch bf16 and fp32, the *ideal* speed-up against
-bf16 (16 bits ÷ the codec's bits per value on the wire), the bytes each rank's interface
-really sent (the kernel's counters, read after the barriers around the timed repeats: payload
-plus TCP/IP headers and ACKs) next to the engine's own accounting (``AllReduceStats``), the
-link throughput they amount to, and where each rank's time went (the engine's phases:
+repeats. With ``rotations`` R > 1 the whole list of methods runs R times in turn (A, B, A, B,
+...), and each row pools its method's R × ``repeats`` calls: two methods whose difference is
+smaller than the machine's drift over minutes are then sampled over the same minutes.
+Beside it: the speed-up against PyTorch bf16 and fp32, the *ideal* speed-up against bf16
+(16 bits ÷ the codec's bits per value on the wire), the bytes each rank's interface really
+sent (the kernel's counters, read after the barriers around the timed repeats: payload plus
+TCP/IP headers and ACKs) next to the engine's own accounting (``AllReduceStats``), the link
+throughput they amount to, and where each rank's time went (the engine's phases:
 ``encode``, ``reduce`` — the fused decompress-accumulate-recompress —, ``decode``, ``wait`` —
 for data from a peer, i.e. transfer and peers' lag —, ``prologue``, ``agree``; ``other`` is
 the rest of the call).
@@ -84,6 +87,7 @@ class ClusterBenchConfig:
     sysctls: tuple[tuple[str, str], ...] = ()
     collective: str = "allreduce"
     verify: tuple[bool, ...] = (False,)  # each codec row with verify off and/or on
+    rotations: int = 1  # the methods run this many times in turn, their calls pooled
 
     def __post_init__(self) -> None:
         if not 2 <= self.ranks <= 64:
@@ -95,6 +99,8 @@ class ClusterBenchConfig:
         if self.numel < 1:
             raise ValueError(f"numel must be positive (got {self.numel})")
         self._check_methods()
+        if self.rotations < 1:
+            raise ValueError(f"rotations must be >= 1 (got {self.rotations})")
         if self.warmup < 0 or self.repeats < 1:
             raise ValueError(
                 f"warmup must be >= 0 and repeats >= 1 (got {self.warmup}, {self.repeats})"
@@ -212,6 +218,26 @@ def run_workers(
     return out
 
 
+def _pooled(rank: dict[str, Any]) -> dict[str, Any]:
+    """One rank's results with the rotations of each method merged, in first-run order:
+    their calls' times, CPU times and stats one after the other, their byte counters summed
+    (the rows divide them by the calls)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for res in rank["results"]:
+        key = json.dumps(res["method"], sort_keys=True, default=str)
+        got = merged.get(key)
+        if got is None:
+            merged[key] = {**res, "counters": dict(res["counters"])}
+            for field in ("times", "cpu_times", "stats"):
+                merged[key][field] = list(res[field])
+            continue
+        for field in ("times", "cpu_times", "stats"):
+            got[field] += res[field]
+        for k, v in res["counters"].items():
+            got["counters"][k] = got["counters"].get(k, 0) + v
+    return {**rank, "results": list(merged.values())}
+
+
 def _median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
@@ -243,7 +269,7 @@ def _summarise(
             "seconds": seconds,
             "seconds_min": min(per_repeat),
             "seconds_max": max(per_repeat),
-            "repeats_s": per_repeat,  # each repeat's slowest rank (pool methods run twice)
+            "repeats_s": per_repeat,  # each call's slowest rank, every rotation's
         }
         if method["kind"] == "torch":
             bits = float(_TORCH_BITS[method["dtype"]])
@@ -318,12 +344,13 @@ def run_cluster_bench(cfg: ClusterBenchConfig, progress: bool = True) -> dict[st
     import torch
 
     meta["torch"] = torch.__version__
-    methods = _methods(cfg)
+    methods = _methods(cfg) * cfg.rotations
     runs = []
     for rate in cfg.rates:
         if progress:
+            turns = f", {cfg.rotations} rotations" if cfg.rotations > 1 else ""
             print(
-                f"{rate}: {cfg.ranks} ranks, {len(methods)} methods, "
+                f"{rate}: {cfg.ranks} ranks, {len(methods) // cfg.rotations} methods{turns}, "
                 f"{cfg.numel * 4 / 2**20:g} MiB fp32, {cfg.warmup} warm-up + {cfg.repeats} "
                 "timed each",
                 file=sys.stderr,
@@ -358,7 +385,7 @@ def run_cluster_bench(cfg: ClusterBenchConfig, progress: bool = True) -> dict[st
                 "wall_seconds": time.perf_counter() - t0,
                 # other processes compete with the ranks for the cores: say how busy it was
                 "load_average_1min": [load0, os.getloadavg()[0]],
-                "rows": _summarise(cfg, rate, per_rank),
+                "rows": _summarise(cfg, rate, [_pooled(pr) for pr in per_rank]),
             }
         )
     meta["load_after"] = list(os.getloadavg())
@@ -441,7 +468,8 @@ def _legend(cfg: dict[str, Any]) -> str:
             else ""
         )
         + f"{cfg['ranks']} ranks, {cfg['numel'] * 4 / 2**20:g} MiB fp32 ({cfg['data']} data); "
-        f"seconds: median over {cfg['repeats']} repeats of the slowest rank. vs pytorch X: "
+        f"seconds: median over {cfg['repeats'] * cfg.get('rotations', 1)} repeats of the "
+        "slowest rank. vs pytorch X: "
         "PyTorch's time / this time. ideal vs bf16: 16 / bits per value (bytes ratio). "
         "wire MB/rank: the interface's tx bytes per all-reduce (kernel counters), ours: "
         "AllReduceStats (pytorch rows: ring ideal). link use: wire bits / (time x rate). "
@@ -551,6 +579,14 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
         help="timed all-reduces per method; the table gives the median (default 3)",
     )
     p.add_argument(
+        "--rotations",
+        type=int,
+        default=1,
+        help="run the whole list of methods this many times in turn (A, B, A, B, ...) and "
+        "pool each method's calls in its row: for differences below the machine's drift "
+        "(default 1)",
+    )
+    p.add_argument(
         "--data",
         default="real",
         choices=("real", "slice", "randn"),
@@ -629,6 +665,7 @@ def check_args(args: argparse.Namespace) -> None:
         baselines=tuple(split_list(args.baselines)),
         warmup=args.warmup,
         repeats=args.repeats,
+        rotations=args.rotations,
         data=args.data,
         seed=args.seed,
         sub_chunk=args.sub_chunk,
