@@ -39,7 +39,7 @@ def cell(xs: list[torch.Tensor]) -> str:
         codec, torch.stack(stats).max(0).values, n_values, parts, regions
     )[pool.SHARED_KEY]
     total = torch.tensor([math.floor(codec.bits * n_values) // 8])
-    whole = pool._distribute(p.demand, p.lens, torch.zeros_like(p.lens), total)
+    whole = pool._distribute(p.demand, p.lens, [0, p.lens.numel()], total)
     cum = torch.cat([torch.zeros(1, dtype=torch.int64), whole.cumsum(0)])
 
     def nbytes(bounds: list[tuple[int, int]]) -> list[int]:
