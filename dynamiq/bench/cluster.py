@@ -514,6 +514,26 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
+def _add_timing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed all-reduces per method (default 1)"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed all-reduces per method; the table gives the median (default 3)",
+    )
+    p.add_argument(
+        "--rotations",
+        type=int,
+        default=1,
+        help="run the whole list of methods this many times in turn (A, B, A, B, ...) and "
+        "pool each method's calls in its row: for differences below the machine's drift "
+        "(default 1)",
+    )
+
+
 def add_parser(bsub: Any) -> argparse.ArgumentParser:
     """Add ``cluster`` to the ``dynamiq bench`` sub-commands."""
     p: argparse.ArgumentParser = bsub.add_parser(
@@ -569,23 +589,7 @@ def add_parser(bsub: Any) -> argparse.ArgumentParser:
         help="PyTorch dist.all_reduce dtypes to compare against: fp32, bf16 (the buffer cast "
         "to bf16, as bf16_compress_hook does); default fp32,bf16, '' for none",
     )
-    p.add_argument(
-        "--warmup", type=int, default=1, help="untimed all-reduces per method (default 1)"
-    )
-    p.add_argument(
-        "--repeats",
-        type=int,
-        default=3,
-        help="timed all-reduces per method; the table gives the median (default 3)",
-    )
-    p.add_argument(
-        "--rotations",
-        type=int,
-        default=1,
-        help="run the whole list of methods this many times in turn (A, B, A, B, ...) and "
-        "pool each method's calls in its row: for differences below the machine's drift "
-        "(default 1)",
-    )
+    _add_timing_args(p)
     p.add_argument(
         "--data",
         default="real",
