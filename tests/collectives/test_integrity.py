@@ -56,7 +56,7 @@ def test_every_single_bit_flip_of_a_length_header_fails_its_seal() -> None:
 
 def test_every_single_bit_flip_of_a_prologue_message_fails_its_check() -> None:
     ident = identity(7, -1, -1, 2, 1, 0)
-    for dtype in (torch.uint8, torch.int16, torch.int32, torch.float32, torch.int64):
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.float32, torch.int64):
         for numel in (0, 5):
             t = (torch.arange(numel) * 37 - 50).to(dtype)
             wire = seal_message(ident, t)
