@@ -70,9 +70,9 @@ def _inputs(numel: int) -> tuple[Any, Any, Any, Any]:
     return codec, g, K.encode(codec, g, ctx, backend="reference"), ctx
 
 
-def _sass(arch: int, numel: int) -> tuple[list[tuple[int, str, tuple]], dict[str, Any], int]:
+def _sass(arch: int, numel: int) -> tuple[list[tuple[int, str, tuple]], dict[str, Any]]:
     """The SASS of the recorded launch: ``(address, text, inlining chain)`` per instruction,
-    its constexprs and warps, and the grid size."""
+    and its constexprs and warps."""
     import triton
     from gpu_check import launch_signature
     from triton.backends.compiler import GPUTarget
@@ -88,7 +88,7 @@ def _sass(arch: int, numel: int) -> tuple[list[tuple[int, str, tuple]], dict[str
 
         def __getitem__(self, grid: Any) -> Any:
             def launch(*a: Any, **kw: Any) -> None:
-                launches.append((self.kernel, grid, *launch_signature(self.kernel, a, kw)))
+                launches.append((self.kernel, *launch_signature(self.kernel, a, kw)))
 
             return launch
 
@@ -103,7 +103,7 @@ def _sass(arch: int, numel: int) -> tuple[list[tuple[int, str, tuple]], dict[str
     finally:
         vars(kd).update(saved)
         kd.tile_elems = tile  # type: ignore[assignment]
-    kernel, grid, sig, const, warps = launches[-1]
+    kernel, sig, const, warps = launches[-1]
     src = ASTSource(
         fn=kernel,
         signature=sig,
@@ -133,8 +133,7 @@ def _sass(arch: int, numel: int) -> tuple[list[tuple[int, str, tuple]], dict[str
         (a, re.sub(r"`\((\.L_x_\d+)\)", lambda m: hex(labels.get(m.group(1), -1)), t), c)
         for a, t, c in out
     ]
-    n_programs = grid[0] if isinstance(grid, tuple) else int(grid)
-    return out, {**const, "num_warps": warps}, n_programs
+    return out, {**const, "num_warps": warps}
 
 
 def _trace(numel: int) -> tuple[int, dict[tuple, int]]:
@@ -202,7 +201,7 @@ def _loop_headers() -> set[tuple[str, int]]:
 
 def estimate(arch: int, numel: int) -> dict[str, Any]:
     """The numbers (see the module docstring)."""
-    sass, meta, _ = _sass(arch, numel)
+    sass, meta = _sass(arch, numel)
     programs, counts = _trace(numel)
     headers = _loop_headers()
     reached = [counts.get(c, 0) > 0 if c else True for _, _, c in sass]

@@ -156,11 +156,6 @@ def prologue_exchange(codec: Any, ranks: int, numel: int) -> tuple[int, int]:
     return comm.bytes_sent, comm.steps
 
 
-def prologue_bytes(codec: Any, ranks: int, numel: int) -> int:
-    """Bytes a rank sends in ``codec``'s prologue (0 without one), from a run on zeros."""
-    return prologue_exchange(codec, ranks, numel)[0]
-
-
 def wire_bytes(
     codec: Any, schedule: Any, ranks: int, numel: int, sub_chunk: int = 1 << 18
 ) -> tuple[list[int], bool]:
@@ -170,7 +165,7 @@ def wire_bytes(
     sched = get_schedule(schedule, ranks)
     plan = plan_schedule(sched, c)
     _, pieces = chunk_layout(numel, sched, c, sub_chunk)
-    sent, exact = [prologue_bytes(c, ranks, numel)] * ranks, True
+    sent, exact = [prologue_exchange(c, ranks, numel)[0]] * ranks, True
     for r in range(ranks):
         for rnd in plan[r]:
             for op in rnd.sends:
