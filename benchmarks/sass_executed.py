@@ -36,12 +36,14 @@ from __future__ import annotations
 import argparse
 import ast
 import collections
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,29 @@ def _inputs(numel: int) -> tuple[Any, Any, Any, Any]:
     return codec, g, K.encode(codec, g, ctx, backend="reference"), ctx
 
 
+@contextlib.contextmanager
+def _gpu_tiles() -> Iterator[None]:
+    """The GPU's tile geometry (``tile_elems``) in both DynamiQ kernel modules."""
+    from dynamiq.kernels import dynamiq as kd
+
+    mods = (kd, kd.dynamiq_tiles)
+    saved = [m.tile_elems for m in mods]
+    for m in mods:
+        m.tile_elems = lambda device: 2048  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for m, t in zip(mods, saved, strict=True):
+            m.tile_elems = t  # type: ignore[assignment]
+
+
+def _kernel_name(codec: Any) -> str:
+    """The fused reduce's kernel function: many spans a program, or one."""
+    from dynamiq.kernels import dynamiq_tiles
+
+    return "_dqt_encode_kernel" if dynamiq_tiles.eligible(codec) else "_dq_encode_kernel"
+
+
 def _sass(arch: int, numel: int) -> tuple[list[tuple[int, str, tuple]], dict[str, Any]]:
     """The SASS of the recorded launch: ``(address, text, inlining chain)`` per instruction,
     and its constexprs and warps."""
@@ -92,17 +117,18 @@ def _sass(arch: int, numel: int) -> tuple[list[tuple[int, str, tuple]], dict[str
 
             return launch
 
-    saved = {k: v for k, v in vars(kd).items() if k.endswith("_kernel")}
-    for k, v in saved.items():
-        setattr(kd, k, Recorder(v))
-    tile = kd.tile_elems
-    kd.tile_elems = lambda device: 2048  # type: ignore[assignment]  # the GPU geometry
+    mods = (kd, kd.dynamiq_tiles)
+    saved = [{k: v for k, v in vars(m).items() if k.endswith("_kernel")} for m in mods]
+    for m, kernels in zip(mods, saved, strict=True):
+        for k, v in kernels.items():
+            setattr(m, k, Recorder(v))
     try:
-        codec, g, p, ctx = _inputs(numel)
-        kd.reduce(codec, p, g, ctx, ctx)
+        with _gpu_tiles():
+            codec, g, p, ctx = _inputs(numel)
+            kd.reduce(codec, p, g, ctx, ctx)
     finally:
-        vars(kd).update(saved)
-        kd.tile_elems = tile  # type: ignore[assignment]
+        for m, kernels in zip(mods, saved, strict=True):
+            vars(m).update(kernels)
     kernel, sig, const, warps = launches[-1]
     src = ASTSource(
         fn=kernel,
@@ -155,34 +181,31 @@ def _trace_here(numel: int) -> dict[str, Any]:
     kdir = os.path.dirname(os.path.realpath(kd.__file__))
     counts: collections.Counter[tuple] = collections.Counter()
     programs = [0]
+    name = _kernel_name(_inputs(256)[0])
 
     def tracer(frame: Any, event: str, arg: Any) -> Any:
         if not frame.f_code.co_filename.startswith(kdir):
             return None
-        if event == "call" and frame.f_code.co_name == "_dq_encode_kernel":
+        if event == "call" and frame.f_code.co_name == name:
             programs[0] += 1
         if event == "line":
             chain, f = [], frame
             while f is not None:
                 if f.f_code.co_filename.startswith(kdir):
                     chain.append((os.path.basename(f.f_code.co_filename), f.f_lineno))
-                    if f.f_code.co_name == "_dq_encode_kernel":
+                    if f.f_code.co_name == name:
                         counts[tuple(chain)] += 1
                         break
                 f = f.f_back
         return tracer
 
-    tile = kd.tile_elems
-    kd.tile_elems = lambda device: 2048  # type: ignore[assignment]
-    try:
+    with _gpu_tiles():
         codec, g, p, ctx = _inputs(numel)
         sys.settrace(tracer)
         try:
             kd.reduce(codec, p, g, ctx, ctx)
         finally:
             sys.settrace(None)
-    finally:
-        kd.tile_elems = tile  # type: ignore[assignment]
     return {"programs": programs[0], "counts": [[list(c), n] for c, n in counts.items()]}
 
 
@@ -229,7 +252,7 @@ def estimate(arch: int, numel: int) -> dict[str, Any]:
         })  # fmt: skip
     base = sum(reached)
     extra = sum(max(lp["trips"] - 1, 0.0) * lp["body"] for lp in loops)
-    per_thread = meta["SPAN"] / (32 * meta["num_warps"])
+    per_thread = meta["SPAN"] * meta.get("P", 1) / (32 * meta["num_warps"])
     executed = base + extra
     return {
         "numel": numel,

@@ -856,6 +856,8 @@ def _encode_into(
     in_ctx: HopContext,
     out_ctx: HopContext,
 ) -> torch.Tensor:
+    if dynamiq_tiles.eligible(codec):
+        return dynamiq_tiles.encode_into(codec, values, incoming, in_ctx, out_ctx)
     device = values.device
     numel = values.numel()
     out = torch.empty(codec.encoded_nbytes(numel, out_ctx) or 0, dtype=torch.uint8, device=device)
@@ -911,6 +913,8 @@ def reduce(
 
 def decode(codec: DynamiqCodec, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
     """``codec.decode(payload, numel, ctx)`` on the Triton backend."""
+    if dynamiq_tiles.eligible(codec):
+        return dynamiq_tiles.decode(codec, payload, numel, ctx)
     device = payload.device
     out = torch.empty(numel, dtype=torch.float32, device=device)
     if numel == 0:
@@ -926,3 +930,8 @@ def decode(codec: DynamiqCodec, payload: torch.Tensor, numel: int, ctx: HopConte
     )  # fmt: skip
     record_launch("_dq_decode_kernel")
     return out
+
+
+# codecs whose spans are one super-group (the default) run dynamiq_tiles' kernels, many spans
+# a program; it imports this module's jit functions, so it comes last
+from . import dynamiq_tiles  # noqa: E402

@@ -57,6 +57,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "bits_half": {**SMALL, "bits": 0.5, "hop_slope": 4.0},
     "bits8": {**SMALL, "bits": 8.0},
 }
+#: spans of one super-group (the default geometry): ``dynamiq_tiles``' kernels, many spans a
+#: program, with every knob and the geometries they take (8 to 64 groups of 8 to 32)
+TILES: dict[str, dict[str, Any]] = {
+    "tiles": {"id": "dynamiq"},
+    "tiles_uniform_stochastic": {"id": "dynamiq", "levels": "uniform", "rounding": "stochastic"},
+    "tiles_correlated_slope": {"id": "dynamiq", "rounding": "correlated", "hop_slope": 1.5},
+    "tiles_unpooled": {"id": "dynamiq", "pooled": False, "bits": 5.3},
+    "tiles_steps1": {"id": "dynamiq", "scale_steps": 1, "bits": 2.9},
+    "tiles_steps3": {"id": "dynamiq", "scale_steps": 3, "rounding": "stochastic"},
+    "tiles_steps4": {"id": "dynamiq", "scale_steps": 4, "bits": 6.3},
+    "tiles_group8": {"id": "dynamiq", "group": 8, "bits": 4.0},
+    "tiles_group32": {"id": "dynamiq", "span": 512, "super_group": 512, "group": 32},
+    "tiles_span1024": {"id": "dynamiq", "span": 1024, "super_group": 1024, "bits": 3.0},
+    "tiles_bits_half": {"id": "dynamiq", "bits": 0.5, "hop_slope": 4.0},
+    "tiles_bits8": {"id": "dynamiq", "bits": 8.0},
+}
+CONFIGS.update(TILES)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: (ctx the payload was encoded with, out_ctx of the reduce)
 CTX_PAIRS = (
@@ -74,20 +91,26 @@ CTX_PAIRS = (
 
 # -- comparisons ------------------------------------------------------------------------------
 
-_KERNEL = {K.encode: "_dq_encode_kernel", K.reduce: "_dq_encode_kernel"}
-_KERNEL[K.decode] = "_dq_decode_kernel"
+
+def kernels_of(codec: DynamiqCodec) -> dict[Any, str]:
+    """The kernel each operation must launch: many spans a program (spans of one
+    super-group), or one."""
+    enc, dec = ("_dqt_encode_kernel", "_dqt_decode_kernel")
+    if not kdyn.dynamiq_tiles.eligible(codec):
+        enc, dec = ("_dq_encode_kernel", "_dq_decode_kernel")
+    return {K.encode: enc, K.reduce: enc, K.decode: dec}
 
 
 def both(fn: Any, *args: Any) -> tuple[Any, Any]:
     """``fn`` on the reference and on Triton (forced), with a proof that its kernel ran."""
-    return _both(fn, *args, kernel=_KERNEL[fn])
+    return _both(fn, *args, kernel=kernels_of(args[0])[fn])
 
 
 def check_all(
     codec: DynamiqCodec, x: torch.Tensor, local: torch.Tensor, pair: Any, what: str
 ) -> None:
     """Encode, decode and reduce on the reference and on Triton: all bit-exact."""
-    _check_all(codec, x, local, pair, what, fast="triton", kernels=_KERNEL)
+    _check_all(codec, x, local, pair, what, fast="triton", kernels=kernels_of(codec))
 
 
 # -- every configuration ----------------------------------------------------------------------
@@ -136,7 +159,7 @@ def test_empty_inputs_need_no_launch() -> None:
     assert K.launch_counts() == before
 
 
-@pytest.mark.parametrize("name", ["small", "correlated_slope"])
+@pytest.mark.parametrize("name", ["small", "correlated_slope", "tiles", "tiles_steps3"])
 def test_arbitrary_payloads(name: str) -> None:
     """Random payload bytes (negative, NaN, Inf and subnormal scales, any group code, any
     body) decode and reduce like the reference."""
@@ -169,6 +192,42 @@ def test_tile_boundaries(config: dict[str, Any], monkeypatch: pytest.MonkeyPatch
     local = edge_values(1300, 64, 3).to(torch.bfloat16).to(DEVICE)
     check_all(codec, x, local, CTX_PAIRS[2], f"{config}")
     check_all(codec, local, x, CTX_PAIRS[1], f"{config} edge")
+
+
+@pytest.mark.parametrize("name", ["tiles", "tiles_correlated_slope", "tiles_group8"])
+def test_spans_across_programs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two spans a program: 7.4 spans take four programs, the last with a short span and a
+    span past the end (nothing written, nothing read)."""
+    monkeypatch.setattr(kdyn.dynamiq_tiles, "tile_elems", lambda device: 512)
+    codec = get_codec(CONFIGS[name])
+    assert kdyn.dynamiq_tiles._meta(codec, torch.device(DEVICE))["P"] == 512 // codec.span
+    n = 7 * codec.span + codec.span * 2 // 5
+    x = random_values(n, 4).to(DEVICE)
+    local = edge_values(n, 64, 4).to(torch.float16).to(DEVICE)
+    check_all(codec, x, local, CTX_PAIRS[1], name)
+    check_all(codec, local, x, CTX_PAIRS[2], f"{name} edge")
+
+
+@pytest.mark.parametrize("name", ["tiles", "tiles_bits_half"])
+def test_tiles_nonfinite_zeros_and_empty_budgets(name: str) -> None:
+    """Spans of one super-group: a span holding NaN or ±Inf decodes to NaN and no other
+    does; an all-zero span has a zero scale, codes 15 and a zero body; a hop whose
+    ``bits_k`` is 0 has no body."""
+    codec = get_codec(CONFIGS[name])
+    n = 4 * codec.span
+    x = random_values(n, 5)
+    x[10], x[300], x[600] = float("nan"), float("inf"), -float("inf")
+    x[3 * codec.span :] = 0.0
+    for ctx in (HopContext(), HopContext(hop=0, num_hops=3)):
+        got, want = both(K.encode, codec, x.to(DEVICE), ctx)
+        assert_bytes_equal(got, want, f"encode {ctx}")
+        got_v, want_v = both(K.decode, codec, got, n, ctx)
+        assert_values_equal(got_v, want_v, f"decode {ctx}")
+        assert bool(got_v[:768].isnan().all()) and not bool(got_v[768:].isnan().any())
+        assert bool((got_v[3 * codec.span :] == 0).all())
+        got_r, want_r = both(K.reduce, codec, got, x.to(DEVICE), ctx, HopContext(hop=2, num_hops=3))
+        assert_bytes_equal(got_r, want_r, f"reduce {ctx}")
+    assert (codec._budget(codec.span, HopContext(hop=0, num_hops=3)) == 0) == (name != "tiles")
 
 
 # -- real gradients and the default configuration ---------------------------------------------
