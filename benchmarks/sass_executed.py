@@ -22,13 +22,19 @@ trip counts), target <= 60. The method, on the CPU:
    a ``for``/``while`` header): the header line runs once per iteration plus once on exit.
    Executed = the reached instructions, plus ``(trips - 1) x body`` for each loop.
 
-Values per thread: the program's values over its threads (``SPAN`` values, ``num_warps x
-32`` threads). Caveats, printed with the numbers: code the compiler hoisted out of a loop
+Values per thread: the program's values over its threads (``P`` spans of ``SPAN`` values,
+``num_warps x 32`` threads). Where a SASS loop's line info names only the kernel's own lines
+(the call sites of what was inlined into it), its source loop is the one loop header the
+interpreter ran under that call site. The data: ``--numel`` values of the ``lm`` family's
+eval gradients from ``--offset`` (2^20 by default: the first 65,536 values are 76 % all-zero
+spans, which skip the threshold search). ``--span-kernel`` measures the span-a-program kernel
+(:mod:`dynamiq.kernels.dynamiq`) on the same codec. Caveats, printed with the numbers: code the compiler hoisted out of a loop
 still counts at its loop's trips (over-counts), and an instruction whose line info is only a
 call site counts as reached when the call site is.
 
     python benchmarks/sass_executed.py                    # default codec, 16,384 values
     python benchmarks/sass_executed.py --numel 65536 --json
+    python benchmarks/sass_executed.py --numel 65536 --span-kernel
 """
 
 from __future__ import annotations
@@ -67,32 +73,45 @@ def _inputs(numel: int) -> tuple[Any, Any, Any, Any]:
             return t
 
     codec = get_codec("dynamiq")
-    g = load_gradients("eval", 16, family="lm", progress=False).reshape(-1)[:numel].contiguous()
+    g = load_gradients("eval", 16, family="lm", progress=False).reshape(-1)
+    g = g[_OPTS["offset"] : _OPTS["offset"] + numel].contiguous()
     ctx = HopContext(shared=codec.prologue(g, One()))
     return codec, g, K.encode(codec, g, ctx, backend="reference"), ctx
 
 
+#: the run's choices (``main``; the trace's child gets them as arguments): the first value of
+#: the gradients used, and whether to force the span-a-program kernel
+_OPTS: dict[str, Any] = {"offset": 0, "span_kernel": False}
+
+
 @contextlib.contextmanager
 def _gpu_tiles() -> Iterator[None]:
-    """The GPU's tile geometry (``tile_elems``) in both DynamiQ kernel modules."""
+    """The GPU's tile geometry (``tile_elems``) in both DynamiQ kernel modules, and (option
+    ``--span-kernel``) the span-a-program kernel for every configuration."""
     from dynamiq.kernels import dynamiq as kd
 
     mods = (kd, kd.dynamiq_tiles)
     saved = [m.tile_elems for m in mods]
+    eligible = kd.dynamiq_tiles.eligible
     for m in mods:
         m.tile_elems = lambda device: 2048  # type: ignore[assignment]
+    if _OPTS["span_kernel"]:
+        kd.dynamiq_tiles.eligible = lambda codec: False  # type: ignore[assignment]
     try:
         yield
     finally:
         for m, t in zip(mods, saved, strict=True):
             m.tile_elems = t  # type: ignore[assignment]
+        kd.dynamiq_tiles.eligible = eligible  # type: ignore[assignment]
 
 
 def _kernel_name(codec: Any) -> str:
     """The fused reduce's kernel function: many spans a program, or one."""
     from dynamiq.kernels import dynamiq_tiles
 
-    return "_dqt_encode_kernel" if dynamiq_tiles.eligible(codec) else "_dq_encode_kernel"
+    with _gpu_tiles():
+        tiles = dynamiq_tiles.eligible(codec)
+    return "_dqt_encode_kernel" if tiles else "_dq_encode_kernel"
 
 
 def _sass(arch: int, numel: int) -> tuple[list[tuple[int, str, tuple]], dict[str, Any]]:
@@ -168,6 +187,7 @@ def _trace(numel: int) -> tuple[int, dict[tuple, int]]:
     Triton reads at import: in a child process)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = [sys.executable, __file__, "--trace", "--numel", str(numel)]
+    run += ["--offset", str(_OPTS["offset"])] + ["--span-kernel"] * _OPTS["span_kernel"]
     got = json.loads(
         subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
     )
@@ -222,6 +242,20 @@ def _loop_headers() -> set[tuple[str, int]]:
     return out
 
 
+def _header_by_call_site(
+    chains: list[tuple], counts: dict[tuple, int], headers: set[tuple[str, int]]
+) -> tuple | None:
+    """The source loop of a SASS loop whose line info names only the kernel's own lines (the
+    call sites of the functions inlined into it): the one loop header the interpreter ran
+    under the body's most common call site, if there is exactly one."""
+    sites = collections.Counter(c[-1] for c in chains if c)
+    if not sites:
+        return None
+    site = sites.most_common(1)[0][0]
+    found = [c for c in counts if c[0] in headers and c[-1] == site and len(c) > 1]
+    return found[0] if len(found) == 1 else None
+
+
 def estimate(arch: int, numel: int) -> dict[str, Any]:
     """The numbers (see the module docstring)."""
     sass, meta = _sass(arch, numel)
@@ -243,6 +277,8 @@ def estimate(arch: int, numel: int) -> dict[str, Any]:
         )
         inner.pop(None, None)
         header = inner.most_common(1)[0][0] if inner else None
+        if header is None:
+            header = _header_by_call_site([sass[j][2] for j in body], counts, headers)
         runs = counts.get(header, 0) / programs if header else 0.0
         # a header line runs once per iteration and once more on exit, per entry
         entries = 1.0 if reached[first] else 0.0
@@ -280,9 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability (90: H200)")
     parser.add_argument("--numel", type=int, default=1 << 14, help="values (64 programs: 16K)")
+    parser.add_argument("--offset", type=int, default=1 << 20, help="first value of the data")
+    parser.add_argument(
+        "--span-kernel", action="store_true", help="force the span-a-program kernel"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
+    _OPTS.update(offset=args.offset, span_kernel=args.span_kernel)
     if args.trace:
         print(json.dumps(_trace_here(args.numel)))
         return 0
