@@ -10,9 +10,12 @@ inside the rank's namespace of an emulated cluster; not a public entry point).
 * every *pattern* of the spec: per rank, a list of rounds, each a list of transfers
   ``[send_to, recv_from, nbytes, pieces]`` (``-1``: none) that run at once; a round posts its
   receives, sends its pieces back to back (the transfers' pieces interleaved), and waits for
-  all of them; all ranks start together after a barrier. Reported: each repeat's seconds
-  (this rank), the seconds spent inside ``isend`` calls, and the process's CPU seconds (its
-  threads and the system calls that move the bytes).
+  all of them; all ranks start together after a barrier. A transfer with a fifth element
+  ``1`` is *lock-step*, as the engine moves a payload of data-dependent size: each piece goes
+  as an 8-byte length header then the payload, and its receiver posts the header's receive,
+  waits for it, then posts the payload's and waits for that, piece after piece. Reported:
+  each repeat's seconds (this rank), the seconds spent inside ``isend`` calls, and the
+  process's CPU seconds (its threads and the system calls that move the bytes).
 """
 
 from __future__ import annotations
@@ -45,25 +48,39 @@ def _pingpong(rank: int, iters: int, nbytes: int) -> list[float]:
     return rtts[5:]
 
 
+_Round = tuple[list[tuple[int, int, torch.Tensor]], list[tuple[int, torch.Tensor]], list[Any]]
+
+
+def _round_plan(transfers: list[list[int]]) -> _Round:
+    """A round's sends ``(piece index, peer, buffer)`` (the transfers' pieces interleaved; a
+    lock-step piece's length header first), receives posted at once ``(peer, buffer)``, and
+    lock-step receives ``(peer, header, buffer)``, received one after another."""
+    sends: list[tuple[int, int, torch.Tensor]] = []
+    recvs: list[tuple[int, torch.Tensor]] = []
+    lockstep: list[Any] = []
+    for send_to, recv_from, nbytes, pieces, *flag in transfers:
+        size = -(-nbytes // max(1, pieces))
+        for i in range(pieces):
+            if send_to >= 0:
+                if flag and flag[0]:
+                    sends.append((i, send_to, torch.full((1,), size, dtype=torch.int64)))
+                sends.append((i, send_to, torch.ones(size, dtype=torch.uint8)))
+            if recv_from >= 0 and flag and flag[0]:
+                hdr = torch.empty(1, dtype=torch.int64)
+                lockstep.append((recv_from, hdr, torch.empty(size, dtype=torch.uint8)))
+            elif recv_from >= 0:
+                recvs.append((recv_from, torch.empty(size, dtype=torch.uint8)))
+    sends.sort(key=lambda s: s[0])  # (stable: a header stays before its payload)
+    return sends, recvs, lockstep
+
+
 def _pattern(rank: int, rounds: list[list[list[int]]]) -> tuple[float, float, float]:
     """Run this rank's rounds once; (seconds, seconds inside isend, process CPU seconds)."""
-    plan = []
-    for transfers in rounds:
-        sends: list[tuple[int, int, torch.Tensor]] = []  # (piece index, peer, buffer)
-        recvs: list[tuple[int, torch.Tensor]] = []
-        for send_to, recv_from, nbytes, pieces in transfers:
-            size = -(-nbytes // max(1, pieces))
-            for i in range(pieces):
-                if send_to >= 0:
-                    sends.append((i, send_to, torch.ones(size, dtype=torch.uint8)))
-                if recv_from >= 0:
-                    recvs.append((recv_from, torch.empty(size, dtype=torch.uint8)))
-        sends.sort(key=lambda s: s[0])  # interleave the transfers' pieces
-        plan.append((sends, recvs))
+    plan = [_round_plan(transfers) for transfers in rounds]
     dist.barrier()
     in_send = 0.0
     c0, t0 = time.process_time(), time.perf_counter()
-    for sends, recvs in plan:
+    for sends, recvs, lockstep in plan:
         works = [w for src, b in recvs if (w := dist.irecv(b, src)) is not None]
         for _, dst, b in sends:
             t = time.perf_counter()
@@ -71,6 +88,11 @@ def _pattern(rank: int, rounds: list[list[list[int]]]) -> tuple[float, float, fl
             assert w is not None
             works.append(w)
             in_send += time.perf_counter() - t
+        for src, hdr, b in lockstep:
+            for buf in (hdr, b):
+                w = dist.irecv(buf, src)
+                assert w is not None
+                w.wait()
         for w in works:
             w.wait()
     return time.perf_counter() - t0, in_send, time.process_time() - c0

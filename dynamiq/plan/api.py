@@ -76,6 +76,7 @@ def _inter_link(
             float(calib.get("two_streams_efficiency") or link.efficiency),
             calib.get("exchange_efficiency"),
             float(calib.get("extra_cpu_per_byte_s") or 0.0),
+            calib.get("notice_queue_s"),
         )
     else:
         link = named_link(profile)
@@ -92,6 +93,7 @@ def _inter_link(
             link.shared_efficiency if efficiency is None else efficiency,
             link.exchange_efficiency if efficiency is None else efficiency,
             link.cpu_per_byte_s,
+            link.notice_queue_s,
         )
     return link, calib
 

@@ -12,7 +12,10 @@
   stream from every rank to the next (all links busy at once; goodput ÷ rate is the link's
   efficiency, the time inside ``isend`` per byte the host's send cost), and two exchanges of
   the same bytes in halving/doubling rounds, one with a fixed partner and one whose partner
-  changes every round, which says what changing partners costs on these links; the stream's
+  changes every round, which says what changing partners costs on these links; that switching
+  exchange again with every payload's receive posted only after its length header, as the
+  engine moves payloads of data-dependent size (per piece, what the receiver's "ready" notice
+  costs when it queues behind the receiver's own data to the same peer); the stream's
   process CPU per byte moved, there and on loopback (the kernel's work on the shaped links
   beyond what a host table measured on loopback holds).
 
@@ -253,7 +256,15 @@ def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[l
             continue
         switch.append([[[r ^ m, r ^ m, b, pieces(b)]] for m, b in rounds])
         fixed.append([[[r ^ 1, r ^ 1, b, pieces(b)]] for _, b in rounds])
-    out = {"stream": stream, "exchange_fixed_partner": fixed, "exchange_switch_partner": switch}
+    # the same exchange, each payload's receive posted only after its length header (the
+    # engine's data-dependent sizes)
+    lockstep = [[[[*t, 1] if t[0] >= 0 else t for t in rnd] for rnd in rank] for rank in switch]
+    out = {
+        "stream": stream,
+        "exchange_fixed_partner": fixed,
+        "exchange_switch_partner": switch,
+        "exchange_lockstep": lockstep,
+    }
     if n >= 3:
         out["two_streams"] = two
     return out
@@ -376,7 +387,8 @@ def calibrate_network(
                 f"{rate}: latency {s['latency_s'] * 1e6:.0f} us, efficiency "
                 f"{s['efficiency']:.3f}, send {s['send_per_byte_s'] * 1e9:.2f} ns/byte, "
                 f"switch/fixed {s['switch_over_fixed']:.3f}, two streams "
-                f"{s['two_streams_efficiency']:.3f}, CPU beyond loopback "
+                f"{s['two_streams_efficiency']:.3f}, notice queue "
+                f"{s['notice_queue_s'] * 1e3:.1f} ms, CPU beyond loopback "
                 f"{s['extra_cpu_per_byte_s'] * 1e9:.2f} ns/byte",
                 file=sys.stderr,
                 flush=True,
@@ -515,6 +527,8 @@ def _summarise_links(
     )
     rtt = per_rank[0]["pingpong_rtt_median"]
     two_s = slowest("two_streams") if "two_streams" in per_rank[0]["patterns"] else stream_s
+    lockstep_s = slowest("exchange_lockstep")
+    pieces = sum(t[3] for rnd in spec["patterns"]["exchange_lockstep"][0] for t in rnd)
     return {
         "rate_bps": bps,
         "stream_bytes": size,
@@ -525,6 +539,11 @@ def _summarise_links(
         "exchange_fixed_partner_seconds": fixed_s,
         "exchange_switch_partner_seconds": switch_s,
         "switch_over_fixed": switch_s / fixed_s,
+        # the same exchange with each payload posted after its length header: what a piece's
+        # "ready" notice costs while the link back to its sender carries the receiver's own
+        # data (behind it, in its socket and the shaper's queue), per piece
+        "exchange_lockstep_seconds": lockstep_s,
+        "notice_queue_s": max(0.0, (lockstep_s - switch_s) / max(1, pieces)),
         # each direction of butterfly's pairwise exchanges (partners switching as in butterfly)
         "exchange_efficiency": exchange_efficiency(len(per_rank), size, switch_s, bps),
         # the same bytes to two peers at once: the efficiency of two connections sharing a link

@@ -10,7 +10,11 @@
   and ``exchange_efficiency`` for a message of a round in which the rank sends to the peer it
   receives from (butterfly's pairwise exchanges, measured by the calibration's exchange whose
   partners switch as butterfly's do: on the emulated cluster 7-15 % slower per byte than a
-  one-way stream).
+  one-way stream). ``notice_queue_s``: the "ready" notice of a receive posted after its
+  message was sent (a payload of data-dependent size, posted after its length header) travels
+  behind the receiver's own data to the sender, in that direction's socket and shaper queues,
+  for at most this long (measured by the calibration's lock-step exchange, per piece: 52 ms at
+  100 Mbit/s and 8 ms at 1 Gbit/s on the emulated cluster; None: it never waits).
 * :class:`Cost`: ``overhead + per_value · numel`` seconds for one call of a kernel on
   ``numel`` values; :class:`CodecCost` has one for ``encode``, the fused ``reduce``,
   ``decode`` and a codec's ``prologue`` (on the whole buffer).
@@ -67,6 +71,9 @@ class Link:
     #: CPU seconds a rank spends per byte it sends or receives on this link beyond what
     #: loopback costs (the kernel's network work; the emulated cluster's calibration)
     cpu_per_byte_s: float = 0.0
+    #: the longest a receiver's "ready" notice queues behind its own data to the sender
+    #: (the calibration's lock-step exchange; None: never)
+    notice_queue_s: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.rate_bps > 0 and math.isfinite(self.rate_bps)):
@@ -78,6 +85,9 @@ class Link:
                 raise ValueError(f"link efficiency must be in (0, 1] (got {e})")
         if not (self.cpu_per_byte_s >= 0 and math.isfinite(self.cpu_per_byte_s)):
             raise ValueError(f"link CPU per byte must be >= 0 s (got {self.cpu_per_byte_s})")
+        q = self.notice_queue_s
+        if q is not None and not (q >= 0 and math.isfinite(q)):
+            raise ValueError(f"link notice queue time must be >= 0 s (got {q})")
 
     @property
     def bytes_per_s(self) -> float:

@@ -206,7 +206,15 @@ class _Net:
     def schedule(self, m: _Msg) -> None:
         assert m.issued is not None and m.posted is not None
         link = self.cluster.link(m.src, m.dst)
-        ready = m.posted + link.latency_s if m.posted > m.issued else m.issued
+        ready = m.issued
+        if m.posted > m.issued:
+            # gloo moves nothing before the receiver's "ready" notice, which travels on the
+            # connection's other direction, behind what the receiver is sending the sender
+            # there (for at most that direction's queue time, ``notice_queue_s``)
+            behind = 0.0
+            if self.last_dst[m.dst] == m.src and link.notice_queue_s:
+                behind = min(max(0.0, self.up[m.dst] - m.posted), link.notice_queue_s)
+            ready = m.posted + behind + link.latency_s
         # queued behind a message to another peer: two connections share the uplink
         shared = self.up[m.src] > ready and self.last_dst[m.src] not in (-1, m.dst)
         start = max(ready, self.up[m.src], self.down[m.dst])

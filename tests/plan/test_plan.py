@@ -86,6 +86,45 @@ def test_exchange_efficiency_applies_to_pairwise_rounds_only() -> None:
     )
 
 
+def test_a_late_notice_waits_behind_the_receivers_own_data() -> None:
+    # a payload of data-dependent size is posted after its length header, so its "ready"
+    # notice goes after the send was issued: in OmniReduce's butterfly the notice travels
+    # behind the receiver's own data to the sender, for at most the link's notice queue
+    # time; a ring (the notice's direction carries no data to the sender) and a fixed-size
+    # codec (posted ahead, no late notice) do not move
+    numel, rate, alpha, queue = 1 << 18, 1e8, 2e-4, 0.004
+    base = Cluster(4, Link(rate, alpha))
+    slow = Cluster(4, Link(rate, alpha, notice_queue_s=queue))
+    piece = 8 * 4 * (1 << 14) / rate  # a piece's wire time: more than the queue time
+    assert piece > queue
+    moved = []
+    for codec, schedule in [
+        ("omnireduce", "butterfly"),
+        ("omnireduce", "ring"),
+        ("fp32", "butterfly"),
+    ]:
+        a = simulate(codec, schedule, base, numel, ZERO, LOCKSTEP, sub_chunk=1 << 14)
+        b = simulate(codec, schedule, slow, numel, ZERO, LOCKSTEP, sub_chunk=1 << 14)
+        assert b.seconds >= a.seconds
+        moved.append(b.seconds - a.seconds)
+    pieces = 2 * numel // 4 // (1 << 14) * 3  # received by a rank: 8 + 4 + 4 + 8 ... at most
+    assert queue <= moved[0] <= pieces * queue
+    assert moved[1:] == [0.0, 0.0]
+    with pytest.raises(ValueError, match="notice queue"):
+        Link(rate, alpha, notice_queue_s=-1.0)
+
+
+def test_link_patterns_have_a_lockstep_exchange() -> None:
+    from dynamiq.plan.calibrate import link_patterns
+
+    pat = link_patterns(4, 1 << 20, 1 << 18)
+    switch, lockstep = pat["exchange_switch_partner"], pat["exchange_lockstep"]
+    assert [[t[:4] for t in rnd] for rank in lockstep for rnd in rank] == [
+        rnd for rank in switch for rnd in rank
+    ]
+    assert all(t[4] == 1 for rank in lockstep for rnd in rank for t in rnd)
+
+
 def test_exchange_efficiency_is_derived_from_the_exchange_patterns_bytes() -> None:
     # 4 ranks exchange S/2, S/4, S/4, S/2 back to back: 1.5 S bytes each way
     from dynamiq.plan.calibrate import exchange_efficiency, exchange_sizes
