@@ -28,9 +28,9 @@ Values per thread: the program's values over its threads (``P`` spans of ``SPAN`
 interpreter ran under that call site. The data: ``--numel`` values of the ``lm`` family's
 eval gradients from ``--offset`` (2^20 by default: the first 65,536 values are 76 % all-zero
 spans, which skip the threshold search). ``--span-kernel`` measures the span-a-program kernel
-(:mod:`dynamiq.kernels.dynamiq`) on the same codec. Caveats, printed with the numbers: code the compiler hoisted out of a loop
-still counts at its loop's trips (over-counts), and an instruction whose line info is only a
-call site counts as reached when the call site is.
+(:mod:`dynamiq.kernels.dynamiq`) on the same codec. Caveats, printed with the numbers: code
+the compiler hoisted out of a loop still counts at its loop's trips (over-counts), and an
+instruction whose line info is only a call site counts as reached when the call site is.
 
     python benchmarks/sass_executed.py                    # default codec, 16,384 values
     python benchmarks/sass_executed.py --numel 65536 --json

@@ -88,16 +88,20 @@ def _x4(t):
 
 @triton.jit
 def _spans(numel, P: tl.constexpr, SPAN: tl.constexpr, G: tl.constexpr, NGS: tl.constexpr):
-    """The program's spans ``[P]`` (int64), their first element, values (0 past the end),
-    whether each is the last, its header bytes; group sizes ``[P, NGS]``."""
-    span = tl.program_id(0).to(tl.int64) * P + tl.arange(0, P)
-    start = span * SPAN
-    n = tl.minimum(tl.maximum(numel - start, 0), SPAN).to(tl.int32)
-    last = start + SPAN >= numel
+    """The program's first value (an int64 scalar) and its spans ``[P]``: index (int64),
+    first value from the program's (int32), values (0 past the end), whether each is the
+    last, header bytes; group sizes ``[P, NGS]``."""
+    pid = tl.program_id(0).to(tl.int64)
+    first = pid * (P * SPAN)
+    # the values from `first` on, capped past this program's (so only a real last span is)
+    rem = tl.minimum(numel - first, P * SPAN + 1).to(tl.int32)
+    local = tl.arange(0, P) * SPAN
+    n = tl.minimum(tl.maximum(rem - local, 0), SPAN)
+    last = local + SPAN >= rem
     ng = (n + G - 1) // G
     hbytes = 2 + (ng * 4 + 7) // 8
     gsize = tl.minimum(tl.maximum(n[:, None] - tl.arange(0, NGS)[None, :] * G, 0), G)
-    return span, start, n, last, hbytes, gsize
+    return first, pid * P + tl.arange(0, P), local, n, last, hbytes, gsize
 
 
 @triton.jit
@@ -340,11 +344,11 @@ def _dqt_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
     """Encode (or, ``FUSED``, reduce: decode the incoming spans and add ``x``) ``P`` spans
     (the sizes and hop context of :func:`dynamiq.kernels.dynamiq._dq_encode_kernel`; the
     tables of :func:`_tables`); bytes moved per value: ``x`` once, each payload once."""
-    span, start, n, last, hbytes, gsize = _spans(numel, P, SPAN, G, NGS)
+    first, span, local, n, last, hbytes, gsize = _spans(numel, P, SPAN, G, NGS)
     Q = (Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7)
     o, j, real = _octets(gsize, NO)
-    el = _x4(start[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j
-    v = load_f32(x_ptr, el, real, IN_KIND)
+    el = _x4(local[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j  # from `first`
+    v = load_f32(x_ptr + first, el, real, IN_KIND)
     if FUSED:
         dec, _ = _incoming(
             in_ptr, in_pool_ptr, span, n, last, hbytes, gsize, in_span_bytes, in_budget,
@@ -359,8 +363,8 @@ def _dqt_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
     _write_header(out, s16, e, gsize, P, NGS)
     w, off = _widths(lvl, live, gsize, n, bits, itab, Q, POOLED, QMIN, QMAX)
     code = _quantize(
-        v, _x4(scale), tl.where(real, _x4(w), 0), ftab, itab, offset + el, key0, key1, ckey0,
-        ckey1, hop, num_hops, MODE,
+        v, _x4(scale), tl.where(real, _x4(w), 0), ftab, itab, offset + first + el, key0, key1,
+        ckey0, ckey1, hop, num_hops, MODE,
     )  # fmt: skip
     _pack(out + hbytes, (bits + 7) // 8, off, w, code, gsize, NO)
 
@@ -375,15 +379,15 @@ def _dqt_decode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
     Q7: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
 ):  # fmt: skip
     """Decode ``P`` spans into fp32 values."""
-    span, start, n, last, hbytes, gsize = _spans(numel, P, SPAN, G, NGS)
+    first, span, local, n, last, hbytes, gsize = _spans(numel, P, SPAN, G, NGS)
     Q = (Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7)
     v, real = _incoming(
         in_ptr, in_pool_ptr, span, n, last, hbytes, gsize, in_span_bytes, in_budget,
         in_budget_last, ftab, itab, POOL_IN, K, NGS, NO, POOLED, Q, QMIN, QMAX,
     )  # fmt: skip
     o, j, _ = _octets(gsize, NO)
-    el = _x4(start[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j
-    tl.store(out_ptr + el, v, mask=real)
+    el = _x4(local[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j
+    tl.store(out_ptr + first + el, v, mask=real)
 
 
 # -- launchers --------------------------------------------------------------------------------
