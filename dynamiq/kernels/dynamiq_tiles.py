@@ -19,8 +19,9 @@ spans as one tile ``[P, groups, octets, 8]`` (``groups = span / group``, ``octet
    1/1024 cell of ``[-1, 1]`` and the next key, so one comparison finishes the count; no
    search over the levels), and pack.
 
-Measured without a GPU (``benchmarks/sass_executed.py``, sm_90): about 230-260 executed SASS
-instructions a value for the fused reduce, against about 1,660 for the span-a-program kernel.
+Measured without a GPU (``benchmarks/sass_executed.py``, sm_90): about 240 executed SASS
+instructions a value for the fused reduce, against at least 1,660 for the span-a-program
+kernel.
 
 **Packing by octets.** With ``group % 8 == 0`` every group starts on a byte (its bit offset is
 a sum of ``group * w`` bits) and each 8 of its codes fill exactly ``w`` bytes, LSB first: the
