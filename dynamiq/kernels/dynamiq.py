@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -849,6 +850,53 @@ def _scratch(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     return torch.empty((max(rows, 1), max(cols, 1)), dtype=torch.int32, device=device)
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """What both encode kernels take for one call: the payloads' layouts, the output hop's
+    dither keys and rounding mode, and the pooled tables (``None``: uniform budgets)."""
+
+    plan: _Plan
+    in_plan: _Plan
+    keys: tuple[int, int, int, int]  # key0, key1 (the dither), ckey0, ckey1 (the hop shift)
+    mode: int  # 0 nearest, 1 uniform dither, 2 correlated dither
+    out_pool: torch.Tensor | None
+    in_pool: torch.Tensor | None
+
+    def sizes(self, numel: int, out_ctx: HopContext) -> tuple[int, ...]:
+        """The kernels' size and hop-context arguments, in their order (``numel`` to
+        ``num_hops``)."""
+        p, q = self.plan, self.in_plan
+        return (
+            numel, q.span_bytes, p.span_bytes, q.budget, q.budget_last, p.budget,
+            p.budget_last, out_ctx.offset, *self.keys, out_ctx.hop, out_ctx.num_hops,
+        )  # fmt: skip
+
+    def flags(self, fused: bool) -> dict[str, Any]:
+        """The kernels' ``FUSED``, ``POOL_IN``, ``POOL_OUT`` and ``MODE``."""
+        pool_in, pool_out = self.in_pool is not None, self.out_pool is not None
+        return {"FUSED": fused, "POOL_IN": pool_in, "POOL_OUT": pool_out, "MODE": self.mode}
+
+
+def _launch(
+    codec: DynamiqCodec, numel: int, fused: bool, in_ctx: HopContext, out_ctx: HopContext,
+    device: torch.device,
+) -> _Launch:  # fmt: skip
+    plan = _plan(codec, numel, out_ctx)
+    key0, key1 = hash_keys(out_ctx.seed, out_ctx.step, out_ctx.hop, out_ctx.rank)
+    ckey0, ckey1 = hash_keys(out_ctx.seed, out_ctx.step, 0xFFFFFFFF, 0xFFFFFFFF)
+    mode = 0
+    if codec.rounding != "nearest":
+        mode = 2 if codec.rounding == "correlated" and out_ctx.num_hops > 1 else 1
+    return _Launch(
+        plan=plan,
+        in_plan=_plan(codec, numel, in_ctx) if fused else plan,
+        keys=(key0, key1, ckey0, ckey1),
+        mode=mode,
+        out_pool=_pool_table(codec, numel, out_ctx, device),
+        in_pool=_pool_table(codec, numel, in_ctx, device) if fused else None,
+    )
+
+
 def _encode_into(
     codec: DynamiqCodec,
     values: torch.Tensor,
@@ -856,36 +904,28 @@ def _encode_into(
     in_ctx: HopContext,
     out_ctx: HopContext,
 ) -> torch.Tensor:
-    if dynamiq_tiles.eligible(codec):
-        return dynamiq_tiles.encode_into(codec, values, incoming, in_ctx, out_ctx)
     device = values.device
     numel = values.numel()
     out = torch.empty(codec.encoded_nbytes(numel, out_ctx) or 0, dtype=torch.uint8, device=device)
     if numel == 0:
         return out
-    plan = _plan(codec, numel, out_ctx)
-    in_plan = _plan(codec, numel, in_ctx) if incoming is not None else plan
+    fused = incoming is not None
+    la = _launch(codec, numel, fused, in_ctx, out_ctx, device)
+    if dynamiq_tiles.eligible(codec):
+        dynamiq_tiles.encode_into(codec, values, incoming, out, la, out_ctx)
+        return out
+    spans = la.plan.spans
     meta = _meta(codec, numel, device)
     ne = meta["BSG"] * meta["CG"] * meta["GP"]
     xv, kind = value_view(values)
-    key0, key1 = hash_keys(out_ctx.seed, out_ctx.step, out_ctx.hop, out_ctx.rank)
-    ckey0, ckey1 = hash_keys(out_ctx.seed, out_ctx.step, 0xFFFFFFFF, 0xFFFFFFFF)
-    mode = 0
-    if codec.rounding != "nearest":
-        mode = 2 if codec.rounding == "correlated" and out_ctx.num_hops > 1 else 1
-    stat = _scratch(plan.spans, meta["NG"], device)
-    lin = _scratch(plan.spans, meta["NG"], device) if incoming is not None else stat
-    pack = _scratch(plan.spans, ne + 2, device)
-    out_pool = _pool_table(codec, numel, out_ctx, device)
-    in_pool = _pool_table(codec, numel, in_ctx, device) if incoming is not None else None
-    _dq_encode_kernel[(plan.spans,)](
-        xv, out if incoming is None else incoming, out, _table(codec, device), stat, lin, pack,
-        in_pool if in_pool is not None else stat, out_pool if out_pool is not None else stat,
-        numel, in_plan.span_bytes, plan.span_bytes,
-        in_plan.budget, in_plan.budget_last, plan.budget, plan.budget_last,
-        out_ctx.offset, key0, key1, ckey0, ckey1, out_ctx.hop, out_ctx.num_hops,
-        FUSED=incoming is not None, POOL_IN=in_pool is not None, POOL_OUT=out_pool is not None,
-        IN_KIND=kind, MODE=mode, **meta,
+    stat = _scratch(spans, meta["NG"], device)
+    lin = _scratch(spans, meta["NG"], device) if fused else stat
+    pack = _scratch(spans, ne + 2, device)
+    in_pool = la.in_pool if la.in_pool is not None else stat
+    out_pool = la.out_pool if la.out_pool is not None else stat
+    _dq_encode_kernel[(spans,)](
+        xv, incoming if fused else out, out, _table(codec, device), stat, lin, pack, in_pool,
+        out_pool, *la.sizes(numel, out_ctx), IN_KIND=kind, **la.flags(fused), **meta,
         num_warps=8, enable_fp_fusion=False,
     )  # fmt: skip
     record_launch("_dq_encode_kernel")
@@ -913,16 +953,17 @@ def reduce(
 
 def decode(codec: DynamiqCodec, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
     """``codec.decode(payload, numel, ctx)`` on the Triton backend."""
-    if dynamiq_tiles.eligible(codec):
-        return dynamiq_tiles.decode(codec, payload, numel, ctx)
     device = payload.device
     out = torch.empty(numel, dtype=torch.float32, device=device)
     if numel == 0:
         return out
     plan = _plan(codec, numel, ctx)
+    pool = _pool_table(codec, numel, ctx, device)
+    if dynamiq_tiles.eligible(codec):
+        dynamiq_tiles.decode_into(codec, payload, out, plan, pool)
+        return out
     meta = _meta(codec, numel, device)
     lin = _scratch(plan.spans, meta["NG"], device)
-    pool = _pool_table(codec, numel, ctx, device)
     _dq_decode_kernel[(plan.spans,)](
         payload, out, _table(codec, device), lin, pool if pool is not None else lin, numel,
         plan.span_bytes, plan.budget, plan.budget_last, POOL_IN=pool is not None, **meta,

@@ -34,6 +34,7 @@ stores the bytes its codes reach, and the rest of the container is zeroed.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
@@ -41,7 +42,6 @@ import triton.language as tl
 
 from dynamiq.codecs.base import HopContext
 from dynamiq.codecs.dynamiq_codec import _PRIORITY, DynamiqCodec
-from dynamiq.codecs.hashing import hash_keys
 
 from ._common import hash_u32, load_f32, tile_elems, uniform_open01, value_view
 from ._stats import record_launch
@@ -61,7 +61,7 @@ STEPS_AT: tl.constexpr = tl.constexpr(3 * 9 * 257 + 9 * 2049)
 COUNT: tl.constexpr = tl.constexpr(512)
 BASE_AT: tl.constexpr = tl.constexpr(512)
 
-__all__ = ["decode", "eligible", "encode_into"]
+__all__ = ["decode_into", "eligible", "encode_into"]
 
 
 def eligible(codec: DynamiqCodec) -> bool:
@@ -439,60 +439,38 @@ def encode_into(
     codec: DynamiqCodec,
     values: torch.Tensor,
     incoming: torch.Tensor | None,
-    in_ctx: HopContext,
+    out: torch.Tensor,
+    la: Any,
     out_ctx: HopContext,
-) -> torch.Tensor:
-    """``codec.encode(values, out_ctx)``, or with ``incoming`` ``codec.reduce(incoming,
-    values, in_ctx, out_ctx)``: one launch, each value read once."""
-    from .dynamiq import _plan, _pool_table
-
-    device = values.device
-    numel = values.numel()
-    out = torch.empty(codec.encoded_nbytes(numel, out_ctx) or 0, dtype=torch.uint8, device=device)
-    if numel == 0:
-        return out
-    plan = _plan(codec, numel, out_ctx)
-    in_plan = _plan(codec, numel, in_ctx) if incoming is not None else plan
-    meta = _meta(codec, device)
+) -> None:
+    """``codec.encode(values, out_ctx)`` into ``out`` (the payload's bytes), or with
+    ``incoming`` the reduce of :func:`dynamiq.kernels.dynamiq.reduce`: one launch, each value
+    read once. ``la``: the call's layouts, keys and tables (``dynamiq.kernels.dynamiq._launch``)."""
+    fused = incoming is not None
+    meta = _meta(codec, values.device)
     xv, kind = value_view(values)
-    key0, key1 = hash_keys(out_ctx.seed, out_ctx.step, out_ctx.hop, out_ctx.rank)
-    ckey0, ckey1 = hash_keys(out_ctx.seed, out_ctx.step, 0xFFFFFFFF, 0xFFFFFFFF)
-    mode = 0
-    if codec.rounding != "nearest":
-        mode = 2 if codec.rounding == "correlated" and out_ctx.num_hops > 1 else 1
-    out_pool = _pool_table(codec, numel, out_ctx, device)
-    in_pool = _pool_table(codec, numel, in_ctx, device) if incoming is not None else None
-    ftab, itab = _tables(codec, device)
-    _dqt_encode_kernel[_grid(numel, meta)](
-        xv, out if incoming is None else incoming, out, ftab, itab,
-        in_pool if in_pool is not None else itab, out_pool if out_pool is not None else itab,
-        numel, in_plan.span_bytes, plan.span_bytes,
-        in_plan.budget, in_plan.budget_last, plan.budget, plan.budget_last,
-        out_ctx.offset, key0, key1, ckey0, ckey1, out_ctx.hop, out_ctx.num_hops,
-        FUSED=incoming is not None, POOL_IN=in_pool is not None, POOL_OUT=out_pool is not None,
-        IN_KIND=kind, MODE=mode, **meta,
+    ftab, itab = _tables(codec, values.device)
+    in_pool = la.in_pool if la.in_pool is not None else itab
+    out_pool = la.out_pool if la.out_pool is not None else itab
+    _dqt_encode_kernel[_grid(values.numel(), meta)](
+        xv, incoming if fused else out, out, ftab, itab, in_pool, out_pool,
+        *la.sizes(values.numel(), out_ctx), IN_KIND=kind, **la.flags(fused), **meta,
         num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     record_launch("_dqt_encode_kernel")
-    return out
 
 
-def decode(codec: DynamiqCodec, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
-    """``codec.decode(payload, numel, ctx)``: one launch."""
-    from .dynamiq import _plan, _pool_table
-
-    device = payload.device
-    out = torch.empty(numel, dtype=torch.float32, device=device)
-    if numel == 0:
-        return out
-    plan = _plan(codec, numel, ctx)
-    meta = _meta(codec, device)
-    pool = _pool_table(codec, numel, ctx, device)
-    ftab, itab = _tables(codec, device)
+def decode_into(
+    codec: DynamiqCodec, payload: torch.Tensor, out: torch.Tensor, plan: Any, pool: Any
+) -> None:
+    """``codec.decode(payload, out.numel(), ctx)`` into ``out``: one launch (``plan``: the
+    payload's layout, ``pool`` its pooled table or ``None``)."""
+    numel = out.numel()
+    meta = _meta(codec, payload.device)
+    ftab, itab = _tables(codec, payload.device)
     _dqt_decode_kernel[_grid(numel, meta)](
         payload, out, ftab, itab, pool if pool is not None else itab, numel, plan.span_bytes,
         plan.budget, plan.budget_last, POOL_IN=pool is not None, **meta,
         num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     record_launch("_dqt_decode_kernel")
-    return out
