@@ -194,14 +194,17 @@ def test_tile_boundaries(config: dict[str, Any], monkeypatch: pytest.MonkeyPatch
     check_all(codec, local, x, CTX_PAIRS[1], f"{config} edge")
 
 
-@pytest.mark.parametrize("name", ["tiles", "tiles_correlated_slope", "tiles_group8"])
-def test_spans_across_programs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("name", "fifths"),
+    [("tiles", 37), ("tiles_correlated_slope", 37), ("tiles_group8", 37), ("tiles", 40)],
+)
+def test_spans_across_programs(name: str, fifths: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two spans a program: 7.4 spans take four programs, the last with a short span and a
-    span past the end (nothing written, nothing read)."""
+    span past the end (nothing written, nothing read); 8 spans exactly fill four."""
     monkeypatch.setattr(kdyn.dynamiq_tiles, "tile_elems", lambda device: 512)
     codec = get_codec(CONFIGS[name])
     assert kdyn.dynamiq_tiles._meta(codec, torch.device(DEVICE))["P"] == 512 // codec.span
-    n = 7 * codec.span + codec.span * 2 // 5
+    n = codec.span * fifths // 5
     x = random_values(n, 4).to(DEVICE)
     local = edge_values(n, 64, 4).to(torch.float16).to(DEVICE)
     check_all(codec, x, local, CTX_PAIRS[1], name)
