@@ -65,12 +65,13 @@ __all__ = ["decode_into", "eligible", "encode_into"]
 
 
 def eligible(codec: DynamiqCodec) -> bool:
-    """Whether these kernels take ``codec``: a span of one super-group of at least two
-    groups, ``group`` a power of two >= 8, at most 64 groups a span."""
+    """Whether these kernels take ``codec``: a span of one super-group of at most 2,048 values
+    (a program holds whole spans) and 2 to 64 groups, ``group`` a power of two >= 8."""
     g, span = codec.group, codec.span
     ngs = span // g
     return (
         span == codec.super_group
+        and span <= 2048
         and g >= 8
         and g & (g - 1) == 0
         and 2 <= ngs <= 64

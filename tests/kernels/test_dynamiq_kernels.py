@@ -194,6 +194,19 @@ def test_tile_boundaries(config: dict[str, Any], monkeypatch: pytest.MonkeyPatch
     check_all(codec, local, x, CTX_PAIRS[1], f"{config} edge")
 
 
+def test_which_configurations_take_the_many_spans_kernels() -> None:
+    eligible = kdyn.dynamiq_tiles.eligible
+    assert eligible(get_codec("dynamiq")) and all(eligible(get_codec(c)) for c in TILES.values())
+    for other in (
+        SMALL,  # four super-groups a span
+        {"id": "dynamiq", "pooling": "span", "span": 65536, "super_group": 1024},
+        {"id": "dynamiq", "span": 4096, "super_group": 4096, "group": 64},  # too long a span
+        {"id": "dynamiq", "span": 256, "super_group": 256, "group": 4},  # groups under 8
+        {"id": "dynamiq", "span": 960, "super_group": 960, "group": 16},  # 60 groups
+    ):
+        assert not eligible(get_codec(other)), other
+
+
 @pytest.mark.parametrize(
     ("name", "fifths"),
     [("tiles", 37), ("tiles_correlated_slope", 37), ("tiles_group8", 37), ("tiles", 40)],
