@@ -757,8 +757,8 @@ def compile_only(arch: int) -> int:
 
     import dynamiq.kernels as K
     from dynamiq.codecs import HopContext
+    from dynamiq.kernels import block, hashing, intq, mx, passthrough
     from dynamiq.kernels import dynamiq as kdynamiq
-    from dynamiq.kernels import hashing, intq, mx, passthrough
     from dynamiq.kernels import omnireduce as komni
     from dynamiq.kernels import thc as kthc
 
@@ -776,13 +776,15 @@ def compile_only(arch: int) -> int:
 
             return launch
 
-    for module in (hashing, intq, mx, passthrough, kdynamiq, komni, kthc):
+    tiles = kdynamiq.dynamiq_tiles
+    for module in (hashing, intq, mx, passthrough, block, kdynamiq, tiles, komni, kthc):
         for attr, value in list(vars(module).items()):
             if attr.endswith("_kernel"):
                 setattr(module, attr, Recorder(value))
         module.tile_elems = lambda device: 2048  # type: ignore[attr-defined]  # GPU geometry
     ctx = HopContext(seed=1, hop=1, num_hops=4)  # num_hops > 1: DynamiQ's correlated variant
     families = {"passthrough": passthrough, "intq": intq, "mx": mx, "dynamiq": kdynamiq}
+    families["block"] = block
     families["omnireduce"] = komni
     families["thc"] = kthc
     for codec in _codecs().values():
