@@ -87,9 +87,10 @@ def _load_s16(hdr_ptr, sg, mask):
 
 
 @triton.jit
-def _group_scale(s, e, tab_ptr, K: tl.constexpr):
-    """``fl32(S * step[e mod K]) * 2^-(e div K)`` (``_group_scale`` of the reference)."""
-    step = tl.load(tab_ptr + STEPS_AT + e % K)
+def _group_scale(s, e, steps_ptr, K: tl.constexpr):
+    """``fl32(S * step[e mod K]) * 2^-(e div K)`` (``_group_scale`` of the reference), the
+    ``K`` scale steps at ``steps_ptr``."""
+    step = tl.load(steps_ptr + e % K)
     return (s * step) * ((127 - e // K) << 23).to(tl.float32, bitcast=True)
 
 
@@ -113,7 +114,8 @@ def _group_meta(hdr_ptr, ebase, g, mask, tab_ptr, PER_SG: tl.constexpr, K: tl.co
     e = tl.load(hdr_ptr + ebase + (g >> 1), mask=mask, other=0).to(tl.int32)
     e = (e >> ((g & 1) * 4)) & 15
     lvl, live = _level_of(s16, e, K)
-    return lvl, live, _group_scale((s16 << 16).to(tl.float32, bitcast=True), e, tab_ptr, K)
+    s = (s16 << 16).to(tl.float32, bitcast=True)
+    return lvl, live, _group_scale(s, e, tab_ptr + STEPS_AT, K)
 
 
 # -- water-filling ----------------------------------------------------------------------------
@@ -470,7 +472,7 @@ def _group_codes(out, stat, tab_ptr, ebase, ng, K: tl.constexpr, PER_SG: tl.cons
         # the 16 candidate group scales, as the decoder computes them: the largest code
         # whose scale is still >= the absmax
         j = tl.arange(0, 16)[None, None, :]
-        cand = _group_scale(s[:, :, None], j, tab_ptr, K)
+        cand = _group_scale(s[:, :, None], j, tab_ptr + STEPS_AT, K)
         e = tl.max(tl.where(cand >= af[:, :, None], j, -1), axis=2)
         e = tl.minimum(tl.maximum(e, 0), 15)
         e = tl.where(a == 0, 15, e)

@@ -34,18 +34,18 @@ stores the bytes its codes reach, and the rest of the container is zeroed.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from dynamiq.codecs.base import HopContext
-from dynamiq.codecs.dynamiq_codec import _PRIORITY, DynamiqCodec
+from dynamiq.codecs.dynamiq_codec import _PRIORITY, DynamiqCodec, _priority_tables
 
 from ._common import hash_u32, load_f32, tile_elems, uniform_open01, value_view
 from ._stats import record_launch
-from .dynamiq import DEAD, NAN_SCALE, NEVER, _level_of
+from .dynamiq import DEAD, NAN_SCALE, NEVER, _group_scale, _Launch, _level_of, _Plan, _table_cpu
+from .dynamiq import STEPS_AT as SPAN_STEPS_AT
 
 #: the fp32 table (:func:`_tables`): per width ``w`` (rows of ``ROW``) the levels, the lower
 #: neighbour and the gap of each level; per width (rows of ``NCELL``) the next key after each
@@ -123,13 +123,6 @@ def _site(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
 
 
 @triton.jit
-def _gscale(s, e, ftab, K: tl.constexpr):
-    """``fl32(S * step[e mod K]) * 2^-(e div K)`` (``_group_scale`` of the reference)."""
-    step = tl.load(ftab + STEPS_AT + e % K)
-    return (s * step) * ((127 - e // K) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _bits(p, t, itab, QMIN: tl.constexpr, QMAX: tl.constexpr):
     """Bits of groups of priority base ``p = 8 L`` at threshold ``t``: ``#{w: p + Q[w] >=
     t}``, from the table of counts (``Q`` falls with ``w``)."""
@@ -149,7 +142,9 @@ def _read_header(ptr, n, gsize, tab_ptr, K: tl.constexpr, NGS: tl.constexpr):
     e = (e >> ((g & 1) * 4)) & 15
     lvl, live = _level_of(s16[:, None], e, K)
     live = live & greal
-    scale = _gscale((s16 << 16).to(tl.float32, bitcast=True)[:, None], e, tab_ptr, K)
+    scale = _group_scale(
+        (s16 << 16).to(tl.float32, bitcast=True)[:, None], e, tab_ptr + STEPS_AT, K
+    )
     return tl.where(live, lvl, DEAD), live, scale
 
 
@@ -277,12 +272,12 @@ def _statistics(v, real, gsize, tab_ptr, K: tl.constexpr):
     e = tl.zeros_like(ag)
     for b in tl.static_range(4):
         t = e + (8 >> b)
-        e = tl.where(_gscale(s, t, tab_ptr, K) >= af, t, e)
+        e = tl.where(_group_scale(s, t, tab_ptr + STEPS_AT, K) >= af, t, e)
     greal = gsize > 0
     e = tl.where(greal, tl.where(ag == 0, 15, e), 0)
     lvl, live = _level_of(s16[:, None], e, K)
     live = live & greal
-    return s16, e, tl.where(live, lvl, DEAD), live, _gscale(s, e, tab_ptr, K)
+    return s16, e, tl.where(live, lvl, DEAD), live, _group_scale(s, e, tab_ptr + STEPS_AT, K)
 
 
 @triton.jit
@@ -419,15 +414,15 @@ def _tables(codec: DynamiqCodec, device: torch.device) -> tuple[torch.Tensor, to
     neighbours, gaps, the next key after each cell, the keys below it) and priorities: fp32
     ``[levels | lower | gap | key | steps]`` and int32 ``[widths by priority offset |
     base]`` (the layout of ``ROW``, ``NCELL`` and the ``*_AT`` constants)."""
-    t = codec._tables(torch.device("cpu"))
-    k = codec.scale_steps
-    steps = torch.tensor([2.0 ** (-j / k) for j in range(k)], dtype=torch.float32)
+    cpu = torch.device("cpu")
+    t = codec._tables(cpu)
+    steps = _table_cpu(codec)[int(SPAN_STEPS_AT) :]  # the span kernel's scale steps
     ftab = torch.cat([t.levels, t.lower, t.gap, t.key, steps])
-    q = _PRIORITY[k]
-    lo, hi = min(q), max(q)
+    counts = _priority_tables(codec.scale_steps, cpu)[1]  # the reference's widths by offset
     count = torch.zeros(int(COUNT), dtype=torch.int32)
-    count[: hi - lo + 2] = torch.tensor([sum(w >= lo + i for w in q) for i in range(hi - lo + 2)])
+    count[: counts.numel()] = counts
     itab = torch.cat([count, t.base])
+    k = codec.scale_steps
     assert ftab.numel() == int(STEPS_AT) + k and itab.numel() == int(BASE_AT) + 9 * int(NCELL)
     return ftab.to(device), itab.to(device)
 
@@ -441,7 +436,7 @@ def encode_into(
     values: torch.Tensor,
     incoming: torch.Tensor | None,
     out: torch.Tensor,
-    la: Any,
+    la: _Launch,
     out_ctx: HopContext,
 ) -> None:
     """``codec.encode(values, out_ctx)`` into ``out`` (the payload's bytes), or with
@@ -462,7 +457,11 @@ def encode_into(
 
 
 def decode_into(
-    codec: DynamiqCodec, payload: torch.Tensor, out: torch.Tensor, plan: Any, pool: Any
+    codec: DynamiqCodec,
+    payload: torch.Tensor,
+    out: torch.Tensor,
+    plan: _Plan,
+    pool: torch.Tensor | None,
 ) -> None:
     """``codec.decode(payload, out.numel(), ctx)`` into ``out``: one launch (``plan``: the
     payload's layout, ``pool`` its pooled table or ``None``)."""
