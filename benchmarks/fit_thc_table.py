@@ -31,7 +31,7 @@ import json
 import numpy as np
 import torch
 
-from dynamiq.codecs.thc import DEFAULT_NORM_CLIP, ThcCodec, _Layout
+from dynamiq.codecs.thc import DEFAULT_NORM_CLIP, ThcCodec, ThcLayout
 from dynamiq.collectives import simulate_allreduce
 from dynamiq.data import load_gradients
 
@@ -39,7 +39,7 @@ from dynamiq.data import load_gradients
 def positions(grads: torch.Tensor, codec: ThcCodec) -> np.ndarray:
     """Pooled one-contribution positions ``y`` of one group of ranks ([ranks, numel]) under
     the scales their prologue agrees on."""
-    lay = _Layout(grads.shape[1], codec.block_size)
+    lay = ThcLayout(grads.shape[1], codec.block_size)
     segs = codec._segments(lay, 0, grads.device)
     finite = torch.ones(lay.nblocks, dtype=torch.bool)
     ws, stats = [], []

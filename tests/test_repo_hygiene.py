@@ -161,3 +161,52 @@ def test_no_function_in_the_package_is_over_120_lines() -> None:
             f"{rel}: {name} ({size} lines)" for name, size in long_functions(path.read_text())
         ]
     assert not found, "split these functions: " + "; ".join(found)
+
+
+def _private_codec_reads(source: str) -> list[str]:
+    """The private names of :mod:`dynamiq.codecs` a kernel module's ``source`` reads: an
+    ``_name`` attribute of a name ``codec`` (a codec's method or field), or an ``_name``
+    imported from (or a ``_module`` of) ``dynamiq.codecs``. The codec contract's own hooks
+    (``_encode``, ``_decode``, ``_reduce``, called by the dispatcher's fallback) are public by
+    docs/design.md and are read through ``getattr``, not as attributes."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dynamiq.codecs"):
+            module = node.module or ""
+            for alias in node.names:
+                if alias.name.startswith("_") or any(
+                    part.startswith("_") for part in module.split(".")
+                ):
+                    found.append(f"{module}.{alias.name}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "codec"
+        ):
+            found.append(f"codec.{node.attr}")
+    return found
+
+
+def test_the_private_read_scan_finds_what_it_looks_for() -> None:
+    src = (
+        "from dynamiq.codecs.thc import _ROTATION_HOP, ThcCodec\n"
+        "from dynamiq.codecs._dynamiq_pool import span_budgets\n"
+        "x = codec._budget(1, None) + codec.span + wire.budget(1, None)\n"
+    )
+    assert _private_codec_reads(src) == [
+        "dynamiq.codecs.thc._ROTATION_HOP",
+        "dynamiq.codecs._dynamiq_pool.span_budgets",
+        "codec._budget",
+    ]
+
+
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "dynamiq" / "kernels").glob("*.py")), ids=lambda p: p.name
+)
+def test_kernels_read_no_codec_privates(path: Path) -> None:
+    """Kernels read the codecs' public wire descriptions (``codec.wire()``, the shared codes
+    of ``dynamiq.codecs.wire_codes``, ``dynamiq.codecs.base``'s checks), never their
+    internals (docs/kernels.md, "What a kernel reads")."""
+    assert _private_codec_reads(path.read_text(encoding="utf-8")) == []

@@ -48,7 +48,10 @@ def _dispatcher() -> Any:
     return _kernels
 
 
-_INT_FIELDS = ("seed", "step", "hop", "num_hops", "rank", "contributions", "offset", "world_size")
+#: :class:`HopContext`'s integer fields, in the order a kernel's op boundary passes them
+HOP_INT_FIELDS = (
+    "seed", "step", "hop", "num_hops", "rank", "contributions", "offset", "world_size",
+)  # fmt: skip
 #: each int field's range: seed, step and offset are 64-bit counter words, the others fit in
 #: 32 bits; counts start at 1
 _INT_RANGES = tuple(
@@ -57,7 +60,7 @@ _INT_RANGES = tuple(
         1 if name in ("num_hops", "contributions", "world_size") else 0,
         2**63 - 1 if name in ("seed", "step", "offset") else 2**32 - 1,
     )
-    for name in _INT_FIELDS
+    for name in HOP_INT_FIELDS
 )
 
 
@@ -232,8 +235,8 @@ class Codec:
 
     def encode(self, x: torch.Tensor, ctx: HopContext | None = None) -> torch.Tensor:
         """Encode 1-D fp32/bf16/fp16 ``x`` into a self-contained uint8 payload."""
-        ctx = _check_ctx(ctx)
-        _check_values("x", x)
+        ctx = check_ctx(ctx)
+        check_values("x", x)
         return (_kernels or _dispatcher())._encode(self, x, ctx, "auto")
 
     def decode(
@@ -244,9 +247,9 @@ class Codec:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode ``numel`` values from ``payload`` into an fp32 tensor (``out`` if given)."""
-        ctx = _check_ctx(ctx)
+        ctx = check_ctx(ctx)
         check_int("numel", numel, 0)
-        self._check_payload(payload, numel, ctx)
+        self.check_payload(payload, numel, ctx)
         if out is not None:
             _check_out(out, numel, payload.device)
         result = (_kernels or _dispatcher())._decode(self, payload, numel, ctx, "auto")
@@ -268,15 +271,15 @@ class Codec:
         encode the result. For re-quantizing codecs the result is bit-identical to
         ``encode(decode(payload, numel, ctx) + local.float(), out_ctx)``.
         """
-        ctx = _check_ctx(ctx)
-        out_ctx = ctx if out_ctx is None else _check_ctx(out_ctx)
-        _check_values("local", local)
+        ctx = check_ctx(ctx)
+        out_ctx = ctx if out_ctx is None else check_ctx(out_ctx)
+        check_values("local", local)
         if isinstance(payload, torch.Tensor) and payload.device != local.device:
             raise ValueError(
                 f"payload and local must be on the same device "
                 f"(got {payload.device} and {local.device})"
             )
-        self._check_payload(payload, local.numel(), ctx)
+        self.check_payload(payload, local.numel(), ctx)
         return (_kernels or _dispatcher())._reduce(self, payload, local, ctx, out_ctx, "auto")
 
     # -- what subclasses implement ----------------------------------------------------------
@@ -323,7 +326,10 @@ class Codec:
 
     # -- checks -----------------------------------------------------------------------------
 
-    def _check_payload(self, payload: torch.Tensor, numel: int, ctx: HopContext) -> None:
+    def check_payload(self, payload: torch.Tensor, numel: int, ctx: HopContext) -> None:
+        """``TypeError``/``ValueError`` unless ``payload`` is a 1-D contiguous uint8 tensor of
+        :meth:`encoded_nbytes` bytes (where that is known): what ``decode`` and ``reduce``
+        check before any kernel reads it."""
         if not isinstance(payload, torch.Tensor):
             raise TypeError(f"payload must be a torch.Tensor (got {type(payload).__name__})")
         if payload.dtype != torch.uint8:
@@ -340,7 +346,8 @@ class Codec:
             )
 
 
-def _check_ctx(ctx: HopContext | None) -> HopContext:
+def check_ctx(ctx: HopContext | None) -> HopContext:
+    """``ctx``, or :data:`DEFAULT_CTX` for ``None``; ``TypeError`` for anything else."""
     if ctx is None:
         return DEFAULT_CTX
     if not isinstance(ctx, HopContext):
@@ -348,7 +355,9 @@ def _check_ctx(ctx: HopContext | None) -> HopContext:
     return ctx
 
 
-def _check_values(name: str, x: torch.Tensor) -> None:
+def check_values(name: str, x: torch.Tensor) -> None:
+    """``TypeError``/``ValueError`` naming ``name`` unless ``x`` is a 1-D contiguous fp32,
+    bf16 or fp16 tensor (what ``encode`` and ``reduce`` take)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor (got {type(x).__name__})")
     if x.dtype not in FLOAT_DTYPES:

@@ -112,7 +112,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -122,6 +122,9 @@ from .base import Codec, ErrorBound, HopContext, check_choice, check_int
 from .formats import exponent_of
 from .hashing import hash_keys, hash_u32, uniform_open01
 from .registry import register_codec
+
+if TYPE_CHECKING:
+    from .dynamiq_wire import DynamiqWire
 
 __all__ = ["DynamiqCodec", "level_table"]
 
@@ -173,7 +176,7 @@ def _max_error_units(levels: torch.Tensor, stochastic: bool) -> float:
 
 
 @dataclass(frozen=True)
-class _Tables:
+class RoundingTables:
     """The level tables of one configuration, laid out for batched lookups on one device.
 
     ``levels``: rows of ``_ROW`` entries, one per width ``w`` (flattened), ``levels[w, i]``
@@ -222,7 +225,7 @@ def _round_up_points(lv: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=32)
-def _tables(kind: str, stretched: bool, device: torch.device) -> _Tables:
+def _tables(kind: str, stretched: bool, device: torch.device) -> RoundingTables:
     n_cells = 2 * _CELLS + 1
     levels = torch.full((_MAX_W + 1, _ROW), math.inf, dtype=torch.float32)
     lower = torch.zeros((_MAX_W + 1, _ROW), dtype=torch.float32)
@@ -255,7 +258,7 @@ def _tables(kind: str, stretched: bool, device: torch.device) -> _Tables:
         base[w] = first.to(torch.int32)
         padded = torch.cat([keys, torch.full((1,), math.inf)])
         key[w] = padded[first]
-    return _Tables(
+    return RoundingTables(
         levels=levels.reshape(-1).to(device),
         base=base.reshape(-1).to(device),
         key=key.reshape(-1).to(device),
@@ -263,6 +266,16 @@ def _tables(kind: str, stretched: bool, device: torch.device) -> _Tables:
         gap=gap.reshape(-1).to(device),
         units=torch.tensor(units, dtype=torch.float64, device=device),
     )
+
+
+@functools.lru_cache(maxsize=8)
+def group_scale_tables(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each 4-bit group code ``e``: ``2^(-(e mod k)/k)`` and ``2^-(e div k)`` (fp32 on
+    the CPU, ``k = scale_steps``): the group scale is ``fl32(S · steps[e]) · powers[e]``."""
+    codes = range(_E_MAX + 1)
+    steps = torch.tensor([2.0 ** (-(c % k) / k) for c in codes], dtype=torch.float32)
+    powers = torch.tensor([2.0 ** -(c // k) for c in codes], dtype=torch.float32)
+    return steps, powers
 
 
 @functools.lru_cache(maxsize=32)
@@ -357,8 +370,16 @@ class DynamiqCodec(Codec):
             lv = lv / lv.abs().max()
         return lv
 
-    def _tables(self, device: torch.device) -> _Tables:
+    def _tables(self, device: torch.device) -> RoundingTables:
         return _tables(self.levels, self.rounding != "nearest", device)
+
+    def wire(self) -> DynamiqWire:
+        """What a kernel reads to write and read this configuration's bytes: tables,
+        priorities, budgets (:class:`~dynamiq.codecs.dynamiq_wire.DynamiqWire`; one per
+        configuration)."""
+        from .dynamiq_wire import wire_of
+
+        return wire_of(self)
 
     @property
     def max_input_abs(self) -> float:
@@ -614,11 +635,8 @@ class DynamiqCodec(Codec):
 
     def _group_scale(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         """``fl32(S · 2^(-(e mod k)/k)) · 2^-(e div k)`` with ``k = scale_steps`` (fp32)."""
-        k = self.scale_steps
-        codes = range(_E_MAX + 1)
-        steps = torch.tensor([2.0 ** (-(c % k) / k) for c in codes], dtype=torch.float32)
+        steps, powers = group_scale_tables(self.scale_steps)
         # times an exact power of two: one rounding, as torch.ldexp
-        powers = torch.tensor([2.0 ** -(c // k) for c in codes], dtype=torch.float32)
         return (s * _take(steps.to(s.device), e)) * _take(powers.to(s.device), e)
 
     def _widths(
@@ -786,7 +804,7 @@ class DynamiqCodec(Codec):
         length: int,
         budget: torch.Tensor,
         nbytes: int,
-        tables: _Tables,
+        tables: RoundingTables,
         u: torch.Tensor | None,
     ) -> torch.Tensor:
         """The wire bytes ``[m, header + nbytes]`` of ``m`` spans ``[m, n_g, group]`` (fp32)
@@ -834,7 +852,7 @@ class DynamiqCodec(Codec):
         return out
 
     def _decode_rows(
-        self, p2: torch.Tensor, length: int, budget: torch.Tensor, tables: _Tables
+        self, p2: torch.Tensor, length: int, budget: torch.Tensor, tables: RoundingTables
     ) -> torch.Tensor:
         """Values ``[m, n_g, group]`` (fp32; padding included) of ``m`` spans of ``length``
         values from their wire bytes ``[m, header + container]`` (containers of ``budget``
@@ -897,7 +915,7 @@ class DynamiqCodec(Codec):
         budget_in: torch.Tensor,
         budget_out: torch.Tensor,
         nbytes_out: int,
-        tables: _Tables,
+        tables: RoundingTables,
         u: torch.Tensor | None,
     ) -> torch.Tensor:
         """``_encode_rows(_decode_rows(p2) + local3)`` for ``m`` spans (``local3`` fp32,
@@ -1014,7 +1032,7 @@ def _take(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize(
-    y: torch.Tensor, w: torch.Tensor, tables: _Tables, u: torch.Tensor | None
+    y: torch.Tensor, w: torch.Tensor, tables: RoundingTables, u: torch.Tensor | None
 ) -> torch.Tensor:
     """Level index (int32) of each ``y`` ``[m, n_g, group]`` in [-1, 1] in the table of its
     group's width ``w`` ``[m, n_g]`` (width 0: meaningless): nearest (ties to the lower

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from . import _codes
+from . import wire_codes
 from .base import Codec, ErrorBound, HopContext, check_choice, check_int
 from .formats import FLOAT8_E8M0FNU
 from .hashing import hash_keys, hash_u32, uniform_open01
@@ -40,11 +40,11 @@ from .registry import register_codec
 
 __all__ = ["IntCodec", "block_absmax"]
 
-SCALE_FORMATS = tuple(_codes.SCALE_FORMATS)
+SCALE_FORMATS = tuple(wire_codes.SCALE_FORMATS)
 _SCALE_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_SCALE_BYTES = {k: f.nbytes for k, f in _codes.SCALE_FORMATS.items()}
+_SCALE_BYTES = {k: f.nbytes for k, f in wire_codes.SCALE_FORMATS.items()}
 #: the bits a NaN scale is written as (canonical quiet NaN, positive), as a signed integer
-_CANONICAL_NAN = {k: f.nan_bits for k, f in _codes.SCALE_FORMATS.items() if k != "e8m0"}
+_CANONICAL_NAN = {k: f.nan_bits for k, f in wire_codes.SCALE_FORMATS.items() if k != "e8m0"}
 
 
 def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -132,6 +132,11 @@ class OmniReduceCodec(Codec):
     def _nblocks(self, numel: int) -> int:
         return -(-numel // self.block_size)
 
+    def wire(self) -> OmniReduceWire:
+        """What a kernel reads to write and read this configuration's bytes: the blocks and
+        the selection rule (:class:`OmniReduceWire`)."""
+        return OmniReduceWire(self)
+
     def _keep(self, nblocks: int) -> int:
         """``K = ceil(density · blocks)``, exactly, with ``density`` read as the decimal it is
         written as (``0.2 · 30 = 6``, not the 7 that the binary double 0.2000…0111 gives)."""
@@ -316,3 +321,25 @@ class OmniReduceCodec(Codec):
             )
         exact = self.density == 1.0 and self.values.codec_id == "fp32"
         return ErrorBound(formula=formula, unbiased=exact, max_abs=max_abs, witness=witness)
+
+
+@dataclass(frozen=True)
+class OmniReduceWire:
+    """OmniReduce's wire format as a kernel reads it (:meth:`OmniReduceCodec.wire`): public,
+    so that a kernel never reads the codec's internals."""
+
+    codec: OmniReduceCodec
+
+    def nblocks(self, numel: int) -> int:
+        """Blocks of ``numel`` values (the last may be short): bits of the bitmap."""
+        return self.codec._nblocks(numel)
+
+    def block_index(self, nblocks: int, offset: int, device: torch.device) -> torch.Tensor:
+        """The global index of each of ``nblocks`` blocks at global ``offset`` (int64)."""
+        return self.codec._block_index(nblocks, offset, device)
+
+    def rule(self, norms: torch.Tensor, index: torch.Tensor) -> tuple[float, int]:
+        """The selection rule ``(τ, i*)`` from the blocks' squared norms (fp64) and global
+        indices: a block is sent iff its norm is ``> τ``, or ``== τ`` with index ``<= i*``
+        (non-finite and, at density 1, every non-zero block are always sent)."""
+        return self.codec._rule_of(norms, index)

@@ -121,7 +121,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -130,6 +130,9 @@ from .base import Codec, ErrorBound, HopContext, check_choice, check_int
 from .hashing import hash_keys, hash_u32, uniform_open01
 from .packing import pack_bits, packed_nbytes, unpack_bits
 from .registry import register_codec
+
+if TYPE_CHECKING:
+    from .thc_wire import ThcWire
 
 __all__ = [
     "DEFAULT_GROWTH",
@@ -207,7 +210,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class ThcLayout:
     """Blocks of ``numel`` values: ``nfull`` full ones of ``d``, then a tail of ``tail`` values
     transformed at size ``tail_d`` (the next power of two; 0 when there is no tail)."""
 
@@ -268,7 +271,7 @@ class _Layout:
 
 
 @dataclass(frozen=True)
-class _Segments:
+class ThcSegments:
     """The segments (groups of blocks sharing one scale) of a payload: ``of_block`` the local
     segment of each block (int64), ``first`` the global index of segment 0, ``count``."""
 
@@ -443,14 +446,21 @@ class ThcCodec(Codec):
                 "the integer sums would no longer be exact in fp32"
             )
 
-    def _layout(self, numel: int) -> _Layout:
-        return _Layout(numel, self.block_size)
+    def _layout(self, numel: int) -> ThcLayout:
+        return ThcLayout(numel, self.block_size)
+
+    def wire(self) -> ThcWire:
+        """What a kernel reads to write and read this configuration's bytes
+        (:class:`~dynamiq.codecs.thc_wire.ThcWire`; one per configuration)."""
+        from .thc_wire import wire_of
+
+        return wire_of(self)
 
     def _span(self) -> int | None:
         """Values per segment (``None``: the whole buffer is one segment)."""
         return self.scale_blocks * self.block_size if self.scale_blocks else None
 
-    def _nsegments(self, lay: _Layout, offset: int) -> int:
+    def _nsegments(self, lay: ThcLayout, offset: int) -> int:
         span = self._span()
         if lay.nblocks == 0:
             return 0
@@ -458,13 +468,13 @@ class ThcCodec(Codec):
             return 1
         return (offset + (lay.nblocks - 1) * lay.d) // span - offset // span + 1
 
-    def _segments(self, lay: _Layout, offset: int, device: torch.device) -> _Segments:
+    def _segments(self, lay: ThcLayout, offset: int, device: torch.device) -> ThcSegments:
         span = self._span()
         blocks = torch.arange(lay.nblocks, dtype=torch.int64, device=device)
         if span is None:
-            return _Segments(torch.zeros_like(blocks), 0, self._nsegments(lay, offset))
+            return ThcSegments(torch.zeros_like(blocks), 0, self._nsegments(lay, offset))
         first = offset // span
-        return _Segments(
+        return ThcSegments(
             (offset + blocks * lay.d) // span - first, first, self._nsegments(lay, offset)
         )
 
@@ -482,7 +492,7 @@ class ThcCodec(Codec):
 
     # -- the pieces -------------------------------------------------------------------------
 
-    def _signs(self, lay: _Layout, offset: int, device: torch.device) -> torch.Tensor:
+    def _signs(self, lay: ThcLayout, offset: int, device: torch.device) -> torch.Tensor:
         """The ±1 diagonal ``D`` at the ``ncodes`` coordinates from global index ``offset``
         (from a per-process cache of the signs of the indices below :data:`_SIGN_CACHE_MAX`:
         they depend on ``rotation_seed`` and the index only, and hashing them is most of a
@@ -499,20 +509,20 @@ class ThcCodec(Codec):
                 _SIGN_CACHE[key] = cached
         return cached[offset:end].to(torch.float32)
 
-    def _rotate(self, x: torch.Tensor, lay: _Layout, offset: int) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, lay: ThcLayout, offset: int) -> torch.Tensor:
         """``w = H · (D ⊙ x)`` per block (fp32, ``ncodes`` coordinates)."""
         padded = torch.zeros(lay.ncodes, dtype=torch.float32, device=x.device)
         padded[: lay.numel] = x
         padded = padded * self._signs(lay, offset, x.device)
         return lay.block_stat(padded, fwht)
 
-    def _unrotate(self, w: torch.Tensor, lay: _Layout, offset: int) -> torch.Tensor:
+    def _unrotate(self, w: torch.Tensor, lay: ThcLayout, offset: int) -> torch.Tensor:
         """``D ⊙ H · w`` per block, the first ``numel`` values (``w`` already divided by d)."""
         v = lay.block_stat(w, fwht) * self._signs(lay, offset, w.device)
         return v[: lay.numel]
 
     def _statistic(
-        self, w: torch.Tensor, finite: torch.Tensor, lay: _Layout, segs: _Segments
+        self, w: torch.Tensor, finite: torch.Tensor, lay: ThcLayout, segs: ThcSegments
     ) -> torch.Tensor:
         """Per segment, over its finite blocks: the RMS (``"norm"``, rounded up to fp32) or
         the largest ``|w|`` (``"max"``) of the rotated coordinates ``w``; fp64, 0 for a
@@ -530,7 +540,7 @@ class ThcCodec(Codec):
         return _roundup_f32((total / count.clamp(min=1.0)).sqrt())
 
     def _agreed(
-        self, ctx: HopContext, segs: _Segments, device: torch.device
+        self, ctx: HopContext, segs: ThcSegments, device: torch.device
     ) -> torch.Tensor | None:
         """The agreed ``S`` of the payload's segments (fp64 of fp32 values), or ``None``."""
         shared: Mapping[str, Any] | None = ctx.shared
@@ -562,8 +572,8 @@ class ThcCodec(Codec):
         return _fl32(s)
 
     def _ranges(
-        self, ctx: HopContext, w: torch.Tensor, finite: torch.Tensor, lay: _Layout
-    ) -> tuple[torch.Tensor, _Segments]:
+        self, ctx: HopContext, w: torch.Tensor, finite: torch.Tensor, lay: ThcLayout
+    ) -> tuple[torch.Tensor, ThcSegments]:
         """``R = fl32(T · S)`` per segment (fp64 of fp32 values), ``S`` agreed
         (``ctx.shared``) or local (the statistic over ``κ_k``, rounded up)."""
         segs = self._segments(lay, ctx.offset, w.device)
@@ -600,7 +610,7 @@ class ThcCodec(Codec):
         y = t * float(self.g // 2) + float(c * (self.g // 2))
         return y.clamp(0.0, float(c * self.g)) if clamp else y
 
-    def _coord(self, per_segment: torch.Tensor, segs: _Segments, lay: _Layout) -> torch.Tensor:
+    def _coord(self, per_segment: torch.Tensor, segs: ThcSegments, lay: ThcLayout) -> torch.Tensor:
         """A per-segment value at every coordinate, as fp32."""
         return lay.per_coord(per_segment[segs.of_block].float())
 
@@ -644,7 +654,7 @@ class ThcCodec(Codec):
         return torch.cat([head, pack_bits(flags.to(torch.uint8), 1), pack_bits(wire, width)])
 
     def _unpack(
-        self, payload: torch.Tensor, lay: _Layout, ctx: HopContext
+        self, payload: torch.Tensor, lay: ThcLayout, ctx: HopContext
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         nseg = self._nsegments(lay, ctx.offset)
         r = payload[: 4 * nseg].clone().view(torch.float32).double()
@@ -655,7 +665,7 @@ class ThcCodec(Codec):
         codes = unpack_bits(payload[4 * nseg + nf :], self.width(ctx.contributions), lay.ncodes)
         return r, flags, codes.to(torch.int64)
 
-    def _prepare(self, x: torch.Tensor, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare(self, x: torch.Tensor, lay: ThcLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 values with NaN/Inf blocks zeroed, and the finite-block mask; checks the range."""
         xf = x.float()
         bad = lay.nonfinite_blocks(xf)
@@ -775,7 +785,7 @@ class ThcCodec(Codec):
 
     def _bound_terms(
         self, x: torch.Tensor, ctx: HopContext
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Layout]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ThcLayout]:
         """Per block: the rounding term ``(2 R_div/g)·mean G``, the deterministic terms
         (clamping and fp32 slack) and the rounding variance; NaN for blocks holding NaN/Inf."""
         k = ctx.contributions

@@ -91,7 +91,7 @@ from .cpu_native import set_cpu_kernels
 
 # the kernels import the codecs, never the reverse at import time (dynamiq/codecs/base.py
 # imports this module at a codec method's first call)
-from dynamiq.codecs.base import _check_ctx, _check_values, check_int  # isort: skip
+from dynamiq.codecs.base import check_ctx, check_values, check_int  # isort: skip
 
 if TYPE_CHECKING:
     from dynamiq.codecs.base import Codec, HopContext
@@ -197,8 +197,8 @@ def encode(
     codec: Codec, x: torch.Tensor, ctx: HopContext | None = None, backend: str = "auto"
 ) -> torch.Tensor:
     """``codec.encode(x, ctx)`` on ``backend`` (same checks, same bytes)."""
-    ctx = _check_ctx(ctx)
-    _check_values("x", x)
+    ctx = check_ctx(ctx)
+    check_values("x", x)
     return _encode(codec, x, ctx, backend)
 
 
@@ -210,9 +210,9 @@ def decode(
     backend: str = "auto",
 ) -> torch.Tensor:
     """``codec.decode(payload, numel, ctx)`` on ``backend``: an fp32 tensor."""
-    ctx = _check_ctx(ctx)
+    ctx = check_ctx(ctx)
     check_int("numel", numel, 0)
-    codec._check_payload(payload, numel, ctx)
+    codec.check_payload(payload, numel, ctx)
     return _decode(codec, payload, numel, ctx, backend)
 
 
@@ -226,15 +226,15 @@ def reduce(
 ) -> torch.Tensor:
     """``codec.reduce(payload, local, ctx, out_ctx)`` on ``backend``: the fused
     decompress-accumulate-recompress (one pass over memory on the Triton backend)."""
-    ctx = _check_ctx(ctx)
-    out_ctx = ctx if out_ctx is None else _check_ctx(out_ctx)
-    _check_values("local", local)
+    ctx = check_ctx(ctx)
+    out_ctx = ctx if out_ctx is None else check_ctx(out_ctx)
+    check_values("local", local)
     if isinstance(payload, torch.Tensor) and payload.device != local.device:
         raise ValueError(
             f"payload and local must be on the same device "
             f"(got {payload.device} and {local.device})"
         )
-    codec._check_payload(payload, local.numel(), ctx)
+    codec.check_payload(payload, local.numel(), ctx)
     return _reduce(codec, payload, local, ctx, out_ctx, backend)
 
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dynamiq.codecs import _codes
+from dynamiq.codecs import wire_codes
 
 # -- kinds of value buffers (``IN_KIND``, ``SRC_KIND``, ``DST_KIND`` meta-parameters) ----------
 
@@ -212,12 +212,12 @@ def f32_to_bf16_bits(bits):
 # -- element formats (dynamiq.codecs.formats.ElementFormat, saturate=True) ----------------------
 
 #: ``SPECIALS`` meta-parameter of an element format (``ElementFormat.specials``; the codes of
-#: ``dynamiq/codecs/_codes.py``)
-SPECIALS = _codes.SPECIALS
+#: ``dynamiq/codecs/wire_codes.py``)
+SPECIALS = wire_codes.SPECIALS
 # the same codes as the JIT functions below compare them (constexpr globals)
-SPEC_IEEE: tl.constexpr = tl.constexpr(_codes.SPECIALS["ieee"])
-SPEC_FN: tl.constexpr = tl.constexpr(_codes.SPECIALS["fn"])
-SPEC_INT: tl.constexpr = tl.constexpr(_codes.SPECIALS["int"])
+SPEC_IEEE: tl.constexpr = tl.constexpr(wire_codes.SPECIALS["ieee"])
+SPEC_FN: tl.constexpr = tl.constexpr(wire_codes.SPECIALS["fn"])
+SPEC_INT: tl.constexpr = tl.constexpr(wire_codes.SPECIALS["int"])
 
 
 @triton.jit

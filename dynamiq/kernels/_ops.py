@@ -18,7 +18,7 @@ data-dependent size, where the codec sizes its payload from the data).
 What crosses the boundary: the codec as its canonical configuration (``get_config()`` as
 sorted JSON; the codec object is remembered under it, so a plugin class that is not
 registered still works in the process that made it), the hop context as its eight int fields
-(in the order of ``dynamiq.codecs.base._INT_FIELDS``) and ``ctx.shared`` as tensors (the codec's
+(in the order of ``dynamiq.codecs.base.HOP_INT_FIELDS``) and ``ctx.shared`` as tensors (the codec's
 :meth:`~dynamiq.codecs.Codec.shared_tensors`; only what the kernels read crosses).
 
 **When they are used.** The dispatcher (:mod:`dynamiq.kernels`) routes a call through these ops
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dynamiq.codecs.base import _INT_FIELDS, HopContext
+from dynamiq.codecs.base import HOP_INT_FIELDS, HopContext
 
 if TYPE_CHECKING:
     from dynamiq.codecs.base import Codec
@@ -120,7 +120,7 @@ def _sized(codec: Codec, out: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 
 def _ints(ctx: HopContext) -> list[int]:
-    return [getattr(ctx, f) for f in _INT_FIELDS]
+    return [getattr(ctx, f) for f in HOP_INT_FIELDS]
 
 
 #: the hop contexts rebuilt from the ops' arguments: (id of the codec, the ints, the ids of the
@@ -138,7 +138,7 @@ def _ctx(codec: Codec, ints: list[int], shared: list[torch.Tensor]) -> HopContex
     if got is not None and got[0] is codec:
         return got[2]
     mapping: Mapping[str, Any] | None = codec.shared_from_tensors(list(shared))
-    ctx = HopContext(**dict(zip(_INT_FIELDS, ints, strict=True)), shared=mapping)
+    ctx = HopContext(**dict(zip(HOP_INT_FIELDS, ints, strict=True)), shared=mapping)
     if len(_CTXS) >= _MAX_CTXS:
         _CTXS.clear()
     _CTXS[key] = (codec, list(shared), ctx)

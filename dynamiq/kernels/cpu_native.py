@@ -54,7 +54,7 @@ the length and the thread count, and takes arguments the dispatcher validated al
 module's own :func:`encode`, :func:`decode` and :func:`reduce` check theirs).
 
 **Shared with csrc/, checked at load**: each argument structure's size and field offsets
-(``_LAYOUTS``), and the scale-format and specials codes of :mod:`dynamiq.codecs._codes`,
+(``_LAYOUTS``), and the scale-format and specials codes of :mod:`dynamiq.codecs.wire_codes`,
 from which the build generates ``dq_codes.h`` (``_check_codes``).
 """
 
@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dynamiq.codecs import _codes
+from dynamiq.codecs import wire_codes
 
 from . import _libcache, _settings
 from ._declared import declared_family
@@ -120,7 +120,7 @@ SOURCES = (
 )
 #: what they include
 HEADERS = (_CSRC / "common.h", _CSRC / "dynamiq_avx2.h")
-#: and the header of the shared codes the build generates (``dynamiq/codecs/_codes.py``)
+#: and the header of the shared codes the build generates (``dynamiq/codecs/wire_codes.py``)
 _CODES_H = "dq_codes.h"
 #: no -ffast-math (IEEE division, subnormals kept), no FMA contraction: bit-exactness
 FLAGS = (
@@ -292,8 +292,8 @@ _DYN_HOP, _DYN_HOP_AT = _packer(_DynArgs, "budget_in_full", "num_hops_f32")
 
 _OP = {"encode": 0, "reduce": 1, "decode": 2}
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_SCALE_FMT = {name: f.code for name, f in _codes.SCALE_FORMATS.items()}
-_SPECIALS = _codes.SPECIALS
+_SCALE_FMT = {name: f.code for name, f in wire_codes.SCALE_FORMATS.items()}
+_SPECIALS = wire_codes.SPECIALS
 _ROUNDING = {"nearest": 0, "stochastic": 1, "correlated": 2}
 
 # -- switch -----------------------------------------------------------------------------------
@@ -376,7 +376,7 @@ def library_path(compiler: str | None = None) -> Path:
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
-    h.update(_CODES_H.encode() + b"\0" + _codes.c_header().encode())
+    h.update(_CODES_H.encode() + b"\0" + wire_codes.c_header().encode())
     flags, link = _flags()
     for part in (*flags, *link, "-march=native", str(compiler or _compiler()), _cpu_identity()):
         h.update(b"\0" + part.encode())
@@ -395,7 +395,7 @@ def _build(cxx: str, dest: Path) -> None:
         flush=True,
     )
     with tempfile.TemporaryDirectory(dir=dest.parent) as include:
-        (Path(include) / _CODES_H).write_text(_codes.c_header(), encoding="utf-8")
+        (Path(include) / _CODES_H).write_text(wire_codes.c_header(), encoding="utf-8")
         _compile(cxx, dest, ("-I", include))
 
 
@@ -482,17 +482,17 @@ def _open() -> ctypes.CDLL:
 
 def _check_codes(lib: ctypes.CDLL, path: Path) -> None:
     """Raise ``RuntimeError`` unless the library was compiled with the codes of
-    :mod:`dynamiq.codecs._codes` (``dq_codes``: a library built from another table, or C++ code
+    :mod:`dynamiq.codecs.wire_codes` (``dq_codes``: a library built from another table, or C++ code
     naming a scale format or specials the table lacks, or lacking one it has)."""
     buf = (ctypes.c_int64 * 256)()
     lib.dq_codes.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64]
     lib.dq_codes.restype = ctypes.c_int64
     got = list(buf[: lib.dq_codes(buf, len(buf))])
-    want = _codes.reported()
+    want = wire_codes.reported()
     if got != want:
         raise RuntimeError(
             f"{path}: compiled with the scale-format and specials codes {got}, not those of "
-            f"dynamiq/codecs/_codes.py ({want})"
+            f"dynamiq/codecs/wire_codes.py ({want})"
         )
 
 
@@ -650,8 +650,8 @@ def _dyn_keys(seed: int, step: int, hop: int, rank: int) -> tuple[int, int, int,
 
 
 def _dyn_template(codec: Any) -> _DynArgs:
-    tables = _dynamiq_tables(codec)  # (the _Native holds them: the template points into them)
-    return _DynArgs(
+    tables = _dynamiq_tables(codec)
+    args = _DynArgs(
         span=codec.span,
         super_group=codec.super_group,
         group=codec.group,
@@ -660,6 +660,11 @@ def _dyn_template(codec: Any) -> _DynArgs:
         rounding=_ROUNDING[codec.rounding],
         **{name: t.data_ptr() for name, t in tables.items()},
     )
+    # the template holds the very tensors it points into: the cache above may hand another
+    # thread a second dict of equal tables (lru_cache does not lock its computation), and a
+    # pointer into a dict nothing holds dangles (seen: a garbage Q refused by the kernel)
+    args.tables = tables
+    return args
 
 
 def _pt_template(codec: Any) -> _PTArgs:
@@ -698,9 +703,9 @@ class _Native:
         make, self.entry = _TEMPLATES[family]
         self.template = make(codec)
         self.stochastic = family == "intq" and codec.rounding == "stochastic"
-        #: DynamiQ: the tables its template points into, and the uniform budgets (bits) of a
-        #: full and of the short last span per (hop, num_hops, last span's length)
-        self.tables = _dynamiq_tables(codec) if family == "dynamiq" else None
+        #: DynamiQ: its wire description, and the uniform budgets (bits) of a full and of
+        #: the short last span per (hop, num_hops, last span's length)
+        self.wire: Any = codec.wire() if family == "dynamiq" else None
         self.budgets: dict[tuple[int, int, int], tuple[int, int]] = {}
         #: DynamiQ: filled argument structures that depend on no prologue result
         #: (:meth:`_dyn_filled`)
@@ -788,9 +793,9 @@ class _Native:
         neither context holds a prologue result the fields depend on, in that result's own
         memo when both hold the same one (the entry holds this object: its key's identity
         stays its own), not at all when they hold different ones."""
-        memo = codec._kernel_memo(ctx)
+        memo = self.wire.memo(ctx)
         two = in_ctx is not ctx and in_ctx.shared is not ctx.shared
-        if two and (memo is not None or codec._kernel_memo(in_ctx) is not None):
+        if two and (memo is not None or self.wire.memo(in_ctx) is not None):
             return self._dyn_new(codec, n, ctx, in_ctx)
         if memo is None:
             memo = self.memo
@@ -831,13 +836,14 @@ class _Native:
         """One payload's uniform budgets (bits: a full span's, the short last one's; unread
         by the kernel when pooled), and its pooled spans' budgets, offsets and offset base
         (``0, 0, 0``: uniform)."""
-        pooled = codec._pooled_kernel_ptrs(n, c)
+        wire = self.wire
+        pooled = wire.native_spans(n, c)
         key = (c.hop, c.num_hops, rest)
         uniform = self.budgets.get(key)
         if uniform is None:
             if len(self.budgets) >= 4096:
                 self.budgets.clear()
-            uniform = self.budgets[key] = (codec._budget(codec.span, c), codec._budget(rest, c))
+            uniform = self.budgets[key] = (wire.budget(codec.span, c), wire.budget(rest, c))
         return (*uniform, *(pooled or (0, 0, 0)))
 
 
@@ -864,21 +870,12 @@ def _native(codec: Any, family: str) -> _Native:
 
 
 @functools.lru_cache(maxsize=32)
-def _dynamiq_tables(codec: Codec) -> dict[str, torch.Tensor]:
-    """The reference's own tables of a DynamiQ configuration (contiguous CPU tensors, kept
-    alive here): levels and rounding cells (``_Tables``), the priorities ``Q``, and the 16
-    group-scale steps and powers of ``_group_scale``'s ``(S * steps[e]) * powers[e]``."""
-    from dynamiq.codecs.dynamiq_codec import DynamiqCodec, _priority_tables
-
-    assert isinstance(codec, DynamiqCodec)
-    cpu = torch.device("cpu")
-    t = codec._tables(cpu)
-    q, _ = _priority_tables(codec.scale_steps, cpu)
-    # (1 * steps[e]) * powers[e], exact: steps[e] = f[e mod k] (powers of those are 1) and
-    # powers[e] = f[(e div k) k] (steps[0] = 1)
-    k = codec.scale_steps
-    f = codec._group_scale(torch.ones(16), torch.arange(16)).float()
-    e = torch.arange(16)
+def _dynamiq_tables(codec: Any) -> dict[str, torch.Tensor]:
+    """The reference's own tables of a DynamiQ configuration (``codec.wire()``; contiguous
+    CPU tensors, kept alive here): levels and rounding cells, the priorities ``Q``, and the 16
+    group-scale steps and powers of the group scale ``(S * steps[e]) * powers[e]``."""
+    wire = codec.wire()
+    t = wire.tables
     out = {
         "levels": t.levels,
         "base": t.base,
@@ -887,9 +884,9 @@ def _dynamiq_tables(codec: Codec) -> dict[str, torch.Tensor]:
         "gap": t.gap,
         "eyt": _eytzinger_rows(t, codec.rounding != "nearest", None),
         "eyt5": _eytzinger_rows(t, codec.rounding != "nearest", 5),
-        "q": q.to(torch.int64),
-        "steps": f[e % k],
-        "powers": f[(e // k) * k],
+        "q": torch.tensor(wire.priorities, dtype=torch.int64),
+        "steps": wire.group_steps,
+        "powers": wire.group_powers,
     }
     dtypes = {"base": torch.int32, "q": torch.int64}
     return {name: v.to(dtypes.get(name, torch.float32)).contiguous() for name, v in out.items()}

@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from dynamiq.codecs.base import HopContext
-from dynamiq.codecs.dynamiq_codec import _PRIORITY, DynamiqCodec
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec
 from dynamiq.codecs.hashing import hash_keys
 
 from ._common import hash_u32, load_f32, tile_elems, uniform_open01, value_view
@@ -773,23 +773,20 @@ def _pool_table(
 ) -> torch.Tensor | None:
     """``[spans, 2]`` int64: each span's budget (bits) and payload offset (bytes) under
     ``pooling="bucket"`` with the prologue's result in ``ctx``, else ``None`` (uniform)."""
-    pooled = codec._pooled_bytes(numel, ctx)
-    if pooled is None:
-        return None
-    bits = pooled * 8
-    offs = codec._span_offset_tensor(numel, bits)
-    return torch.stack([bits, offs], dim=1).contiguous().to(device)
+    table = codec.wire().span_table(numel, ctx)
+    return None if table is None else table.contiguous().to(device)
 
 
 def _plan(codec: DynamiqCodec, numel: int, ctx: HopContext) -> _Plan:
     spans = -(-numel // codec.span)
     last = numel - (spans - 1) * codec.span
-    budget, budget_last = codec._budget(codec.span, ctx), codec._budget(last, ctx)
+    wire = codec.wire()
+    budget, budget_last = wire.budget(codec.span, ctx), wire.budget(last, ctx)
     n_sg, n_g = codec.span // codec.super_group, codec.span // codec.group
     span_bytes = 2 * n_sg + (n_g * 4 + 7) // 8 + (budget + 7) // 8
     last_bytes = -(-last // codec.super_group) * 2 + (-(-last // codec.group) * 4 + 7) // 8
     total = (spans - 1) * span_bytes + last_bytes + (budget_last + 7) // 8
-    if codec._pooled_bytes(numel, ctx) is None and total != codec.encoded_nbytes(numel, ctx):
+    if not wire.pooled(ctx) and total != codec.encoded_nbytes(numel, ctx):
         # the layout must be the reference's (pooled budgets: from the per-span table)
         raise RuntimeError(
             f"dynamiq kernels: {total} payload bytes planned for {numel} values, but the "
@@ -809,7 +806,7 @@ def _meta(codec: DynamiqCodec, numel: int, device: torch.device) -> dict[str, in
     n_sg = -(-min(numel, codec.span) // sg)
     bsg = 1 if nch > 1 else max(1, min(tile // (cg * gp), triton.next_power_of_2(n_sg)))
     ng_span = codec.span // g
-    q = _PRIORITY[codec.scale_steps]
+    q = codec.wire().priorities
     return {
         "SPAN": codec.span,
         "SG": sg,
@@ -832,10 +829,11 @@ def _meta(codec: DynamiqCodec, numel: int, device: torch.device) -> dict[str, in
 
 @functools.lru_cache(maxsize=64)
 def _table_cpu(codec: DynamiqCodec) -> torch.Tensor:
-    """The reference's level tables (``codec._levels``) and scale steps, in one fp32 row."""
-    parts = [codec._levels(w).to(torch.float32).cpu() for w in range(1, _MAX_W + 1)]
+    """The reference's level tables and scale steps (``codec.wire()``), in one fp32 row."""
+    wire = codec.wire()
+    parts = [wire.levels(w).to(torch.float32).cpu() for w in range(1, _MAX_W + 1)]
     k = codec.scale_steps
-    parts.append(torch.tensor([2.0 ** (-j / k) for j in range(k)], dtype=torch.float32))
+    parts.append(wire.group_steps[:k])
     table = torch.cat(parts)
     assert table.numel() == (1 << (_MAX_W + 1)) - 2 + k
     return table

@@ -15,7 +15,7 @@ spans as one tile ``[P, groups, octets, 8]`` (``groups = span / group``, ``octet
 2. the values (decoded + local) stay in registers: group absmax, super-group scales, group
    codes (binary lifting over the 16 candidate scales, which never rise with the code),
    levels and the outgoing ``tau``;
-3. quantize through the reference's own cell tables (``codec._tables``: the keys below each
+3. quantize through the reference's own cell tables (``codec.wire().tables``: the keys below each
    1/1024 cell of ``[-1, 1]`` and the next key, so one comparison finishes the count; no
    search over the levels), and pack.
 
@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from dynamiq.codecs.base import HopContext
-from dynamiq.codecs.dynamiq_codec import _PRIORITY, DynamiqCodec, _priority_tables
+from dynamiq.codecs.dynamiq_codec import DynamiqCodec
 
 from ._common import hash_u32, load_f32, tile_elems, uniform_open01, value_view
 from ._stats import record_launch
@@ -392,7 +392,7 @@ def _dqt_decode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
 
 def _meta(codec: DynamiqCodec, device: torch.device) -> dict[str, int]:
     """Compile-time parameters: the geometry, the priorities, spans per program."""
-    q = _PRIORITY[codec.scale_steps]
+    q = codec.wire().priorities
     spans = triton.next_power_of_2(max(1, tile_elems(device) // codec.span))
     return {
         "SPAN": codec.span,
@@ -410,15 +410,15 @@ def _meta(codec: DynamiqCodec, device: torch.device) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=64)
 def _tables(codec: DynamiqCodec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' two tables, from the reference's own (``codec._tables``: levels, lower
+    """The kernels' two tables, from the reference's own (``codec.wire().tables``: levels, lower
     neighbours, gaps, the next key after each cell, the keys below it) and priorities: fp32
     ``[levels | lower | gap | key | steps]`` and int32 ``[widths by priority offset |
     base]`` (the layout of ``ROW``, ``NCELL`` and the ``*_AT`` constants)."""
-    cpu = torch.device("cpu")
-    t = codec._tables(cpu)
+    wire = codec.wire()
+    t = wire.tables
     steps = _table_cpu(codec)[int(SPAN_STEPS_AT) :]  # the span kernel's scale steps
     ftab = torch.cat([t.levels, t.lower, t.gap, t.key, steps])
-    counts = _priority_tables(codec.scale_steps, cpu)[1]  # the reference's widths by offset
+    counts = wire.priority_counts  # the reference's widths by offset
     count = torch.zeros(int(COUNT), dtype=torch.int32)
     count[: counts.numel()] = counts
     itab = torch.cat([count, t.base])

@@ -38,11 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dynamiq.codecs._codes import SCALE_FORMATS as SCALE_CODES
 from dynamiq.codecs.base import HopContext
 from dynamiq.codecs.hashing import hash_keys
 from dynamiq.codecs.intq import IntCodec
 from dynamiq.codecs.packing import packed_nbytes
+from dynamiq.codecs.wire_codes import SCALE_FORMATS as SCALE_CODES
 
 from ._common import (
     NAN_BF16,

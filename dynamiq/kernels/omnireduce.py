@@ -287,7 +287,7 @@ def _value_format(codec: OmniReduceCodec) -> tuple[int, int]:
 
 def _lengths(codec: OmniReduceCodec, numel: int, device: torch.device) -> torch.Tensor:
     """Values per block (int64; the last block may be short)."""
-    nb, bs = codec._nblocks(numel), codec.block_size
+    nb, bs = codec.wire().nblocks(numel), codec.block_size
     lens = torch.full((nb,), bs, dtype=torch.int64, device=device)
     lens[-1] = numel - (nb - 1) * bs
     return lens
@@ -304,7 +304,7 @@ def _layout(codec: OmniReduceCodec, sent: torch.Tensor, numel: int) -> _Blocks:
 def _unpack(codec: OmniReduceCodec, payload: torch.Tensor, numel: int) -> tuple[_Blocks, int]:
     """The bitmap of ``payload`` as blocks and the bitmap's bytes; the reference's checks of
     the payload's length, with its messages."""
-    nb = codec._nblocks(numel)
+    nb = codec.wire().nblocks(numel)
     head = -(-nb // 8)
     if payload.numel() < head:
         raise ValueError(
@@ -328,8 +328,8 @@ def _rule(codec: OmniReduceCodec, ctx: HopContext, norms: torch.Tensor | None) -
         return float(shared[THRESHOLD_KEY]), int(shared[TIE_KEY])
     if norms is None:
         return 0.0, -1  # density 1: unused
-    index = codec._block_index(norms.numel(), ctx.offset, norms.device)
-    return codec._rule_of(norms, index)
+    index = codec.wire().block_index(norms.numel(), ctx.offset, norms.device)
+    return codec.wire().rule(norms, index)
 
 
 def _needs_basis(codec: OmniReduceCodec, ctx: HopContext) -> bool:
@@ -346,7 +346,7 @@ def _selected(
     if codec.density == 1.0:
         return special | (norms > 0)
     tau, tie = rule
-    index = codec._block_index(norms.numel(), offset, norms.device)
+    index = codec.wire().block_index(norms.numel(), offset, norms.device)
     passes = (norms > tau) | ((norms == tau) & (index <= tie))
     return special | ((norms > 0) & passes)
 
@@ -368,7 +368,7 @@ def _block_norms(
     """Squared norms of the blocks of ``x`` and, given the incoming payload, of
     ``decode(payload) + x``."""
     n, bs = x.numel(), codec.block_size
-    nb = codec._nblocks(n)
+    nb = codec.wire().nblocks(n)
     tile = tile_elems(x.device)
     if bs <= tile:
         w, nch, rows = bs, 1, max(1, min(tile // bs, triton.next_power_of_2(nb)))
@@ -397,7 +397,7 @@ def _write(
     """The payload carrying the blocks ``sent`` (bool) of ``x``, or of ``decode(payload) +
     x`` given the incoming payload."""
     n, bs = x.numel(), codec.block_size
-    nb = codec._nblocks(n)
+    nb = codec.wire().nblocks(n)
     head = -(-nb // 8)
     kind, isz = _value_format(codec)
     out_blocks = _layout(codec, sent, n)

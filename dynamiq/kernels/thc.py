@@ -59,7 +59,7 @@ import triton.language as tl
 from dynamiq.codecs.base import HopContext
 from dynamiq.codecs.hashing import hash_keys
 from dynamiq.codecs.packing import pack_bits, unpack_bits
-from dynamiq.codecs.thc import _ROTATION_HOP, ThcCodec, _Layout
+from dynamiq.codecs.thc import ThcCodec, ThcLayout
 
 from ._common import (
     f32_to_bits,
@@ -445,7 +445,7 @@ def _num_warps(tile: int) -> int:
     return max(4, min(16, tile // 1024))
 
 
-def _geometry(codec: ThcCodec, lay: _Layout, device: torch.device) -> dict[str, Any]:
+def _geometry(codec: ThcCodec, lay: ThcLayout, device: torch.device) -> dict[str, Any]:
     rows = _rows(codec, lay.nblocks, device)
     return {
         "grid": (triton.cdiv(lay.nblocks, rows),),
@@ -488,11 +488,12 @@ def _corrupt(codec: ThcCodec, err: torch.Tensor) -> None:
 
 
 def _header(
-    payload: torch.Tensor, codec: ThcCodec, lay: _Layout, ctx: HopContext
+    payload: torch.Tensor, codec: ThcCodec, lay: ThcLayout, ctx: HopContext
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference's ``_unpack`` less the codes: ranges (fp64), NaN flags (uint8 per block)
     and the code stream."""
-    nseg = codec._nsegments(lay, ctx.offset)
+    wire = codec.wire()
+    nseg = wire.nsegments(lay, ctx.offset)
     r = payload[: 4 * nseg].clone().view(torch.float32).double()
     if not bool((torch.isfinite(r) & (r >= 0)).all()):
         raise ValueError("thc: corrupt payload: a segment range is negative or not finite")
@@ -502,10 +503,11 @@ def _header(
 
 
 def _decode_scales(
-    codec: ThcCodec, r: torch.Tensor, k: int, lay: _Layout, of_block: torch.Tensor
+    codec: ThcCodec, r: torch.Tensor, k: int, lay: ThcLayout, of_block: torch.Tensor
 ) -> tuple[torch.Tensor, int]:
     """Per block ``fl32(R_div / g) · 2^-log2 d_b`` (the reference's ``_decode``), and ``c``."""
-    r_div, c = codec._divisor(r, k)
+    wire = codec.wire()
+    r_div, c = wire.divisor(r, k)
     per_g = r_div.float() / torch.full_like(r_div, float(codec.g), dtype=torch.float32)
     inv = [2.0 ** -(codec.block_size.bit_length() - 1)] * lay.nfull
     if lay.tail:
@@ -528,7 +530,7 @@ class _Incoming:
 
 def _launch_encode(  # noqa: PLR0913  the launcher hands the kernel its buffers; keyword-only flags pick the pass
     codec: ThcCodec,
-    lay: _Layout,
+    lay: ThcLayout,
     values: torch.Tensor,
     stream: torch.Tensor,
     par: torch.Tensor,
@@ -544,6 +546,7 @@ def _launch_encode(  # noqa: PLR0913  the launcher hands the kernel its buffers;
     w: torch.Tensor | None = None,
     force: int = 0,
 ) -> None:
+    wire = codec.wire()
     device = values.device
     geo = _geometry(codec, lay, device)
     xv, kind = value_view(values)
@@ -552,7 +555,7 @@ def _launch_encode(  # noqa: PLR0913  the launcher hands the kernel its buffers;
     in_stream, in_ctx = (stream, ctx) if incoming is None else (incoming.stream, incoming.ctx)
     k_in = in_ctx.contributions
     key0, key1 = hash_keys(ctx.seed, ctx.step, ctx.hop, ctx.rank)
-    rkey0, rkey1 = hash_keys(codec.rotation_seed, 0, _ROTATION_HOP, 0)
+    rkey0, rkey1 = wire.rotation_keys
     out_flags = flags["out"]
     nan_in = out_flags if incoming is None else incoming.flags
     sc = torch.tensor(scalars, dtype=torch.float32, device=device)
@@ -573,14 +576,15 @@ def _encode_into(
     codec: ThcCodec, values: torch.Tensor, incoming: _Incoming | None, ctx: HopContext
 ) -> torch.Tensor:
     """``codec._encode(values, ctx)``, or ``codec._encode(decode(incoming) + values, ctx)``."""
+    wire = codec.wire()
     device = values.device
     n = values.numel()
     k = ctx.contributions
-    codec._check_contributions(k)
-    lay = codec._layout(n)
-    segs = codec._segments(lay, ctx.offset, device)
+    wire.check_contributions(k)
+    lay = wire.layout(n)
+    segs = wire.segments(lay, ctx.offset, device)
     out = torch.empty(codec.encoded_nbytes(n, ctx), dtype=torch.uint8, device=device)
-    nseg = codec._nsegments(lay, ctx.offset)
+    nseg = wire.nsegments(lay, ctx.offset)
     stream = out[4 * nseg + -(-lay.nblocks // 8) :]
     err = torch.zeros(3, dtype=torch.int32, device=device)
     flags = {"out": torch.zeros(lay.nblocks, dtype=torch.uint8, device=device)}
@@ -591,7 +595,7 @@ def _encode_into(
         cg_in = incoming.cg
     src = SRC_VALUES if incoming is None else SRC_FUSED
     try:
-        agreed = codec._agreed(ctx, segs, device)
+        agreed = wire.agreed_scales(ctx, segs, device)
         malformed = False
     except (TypeError, ValueError):
         agreed, malformed = None, True  # the reference checks the values first: pass 1 does
@@ -605,11 +609,11 @@ def _encode_into(
         _corrupt(codec, err)
         _big(codec, err, ERR_BIG)
         if malformed:
-            codec._agreed(ctx, segs, device)  # raises the reference's error
-        r, _ = codec._ranges(ctx, w, flags["out"] == 0, lay)
+            wire.agreed_scales(ctx, segs, device)  # raises the reference's error
+        r = wire.ranges(ctx, w, flags["out"] == 0, lay)
     else:
-        r = codec._clip_ranges(agreed)
-    r_div, c = codec._divisor(r, k)
+        r = wire.clip_ranges(agreed)
+    r_div, c = wire.divisor(r, k)
     par[0] = r_div[segs.of_block].float()
     scal = [float(c * (codec.g // 2)), 0.0, float(c * codec.g), cg_in]
     if agreed is None:
@@ -641,19 +645,20 @@ def encode(codec: ThcCodec, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
 
 def decode(codec: ThcCodec, payload: torch.Tensor, numel: int, ctx: HopContext) -> torch.Tensor:
     """``codec.decode(payload, numel, ctx)`` on the Triton backend."""
+    wire = codec.wire()
     device = payload.device
     out = torch.empty(numel, dtype=torch.float32, device=device)
     if numel == 0:
         return out
     k = ctx.contributions
-    lay = codec._layout(numel)
+    lay = wire.layout(numel)
     r, flags, stream = _header(payload, codec, lay, ctx)
-    segs = codec._segments(lay, ctx.offset, device)
+    segs = wire.segments(lay, ctx.offset, device)
     scale, c = _decode_scales(codec, r, k, lay, segs.of_block)
     table, _ = _tables(codec, device)
     err = torch.zeros(3, dtype=torch.int32, device=device)
     geo = _geometry(codec, lay, device)
-    rkey0, rkey1 = hash_keys(codec.rotation_seed, 0, _ROTATION_HOP, 0)
+    rkey0, rkey1 = wire.rotation_keys
     sc = torch.tensor([float(c * codec.g)], dtype=torch.float32, device=device)
     _thc_decode_kernel[geo["grid"]](
         stream, out, scale, flags, sc, table, err, *geo["sizes"], stream.numel(),
@@ -676,38 +681,39 @@ def reduce(
     re-encoded blocks alike (launched again only to range-check the re-encode of every block
     when a local block holds NaN/Inf, as the reference does); without the homomorphic path
     (no agreed scales, ``m < 1``, another offset) the encode of ``decode(payload) + local``."""
+    wire = codec.wire()
     device = local.device
     n = local.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
     local = local.contiguous()
     k_in, k_out = ctx.contributions, out_ctx.contributions
-    codec._check_contributions(k_in)
-    codec._check_contributions(k_out)
+    wire.check_contributions(k_in)
+    wire.check_contributions(k_out)
     m = k_out - k_in
-    lay = codec._layout(n)
+    lay = wire.layout(n)
     r_in, flags_in, in_stream = _header(payload, codec, lay, ctx)
-    segs = codec._segments(lay, out_ctx.offset, device)
-    agreed = codec._agreed(out_ctx, segs, device)
-    in_segs = codec._segments(lay, ctx.offset, device)
+    segs = wire.segments(lay, out_ctx.offset, device)
+    agreed = wire.agreed_scales(out_ctx, segs, device)
+    in_segs = wire.segments(lay, ctx.offset, device)
     in_scale, c_in = _decode_scales(codec, r_in, k_in, lay, in_segs.of_block)
     incoming = _Incoming(in_stream, ctx, in_scale, flags_in, float(c_in * codec.g))
     if agreed is None or m < 1 or ctx.offset != out_ctx.offset:
         return _encode_into(codec, local, incoming, out_ctx)
-    r_out = codec._clip_ranges(agreed)
+    r_out = wire.clip_ranges(agreed)
     fit_in = ((flags_in == 0) & (r_in == r_out)[segs.of_block]).to(torch.uint8)
     out = torch.empty(codec.encoded_nbytes(n, out_ctx), dtype=torch.uint8, device=device)
-    nseg = codec._nsegments(lay, out_ctx.offset)
+    nseg = wire.nsegments(lay, out_ctx.offset)
     stream = out[4 * nseg + -(-lay.nblocks // 8) :]
     par = torch.ones(3, lay.nblocks, dtype=torch.float32, device=device)
-    r_div, c = codec._divisor(r_out, k_out)  # both paths divide by it
+    r_div, c = wire.divisor(r_out, k_out)  # both paths divide by it
     par[0] = r_div[segs.of_block].float()
     par[1] = in_scale
     half = codec.g // 2
     if codec.variant == "widen":
         chalf_h = float(m * half)
     else:
-        r_kin, _ = codec._divisor(r_out, k_in)
+        r_kin, _ = wire.divisor(r_out, k_in)
         a = torch.where(r_div > 0, r_kin.float() / r_div.float(), 0.0)
         par[2] = a[segs.of_block]
         chalf_h = float(half)

@@ -1,4 +1,4 @@
-"""The scale-format and specials codes are defined once (``dynamiq/codecs/_codes.py``): the
+"""The scale-format and specials codes are defined once (``dynamiq/codecs/wire_codes.py``): the
 native build generates ``dq_codes.h`` from them, the library reports what it was compiled
 with and a library that disagrees is refused at load, and no other copy of the tables exists
 in the package's Python or C++ sources."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamiq.codecs import _codes
+from dynamiq.codecs import wire_codes
 from dynamiq.kernels import cpu_native
 
 NATIVE = cpu_native._compiler() is not None
@@ -19,18 +19,18 @@ ROOT = Path(__file__).resolve().parents[2] / "dynamiq"
 
 def test_the_generated_header_is_the_table() -> None:
     """``dq_codes.h`` read back (its enumerators and code-indexed arrays) is the table."""
-    text = _codes.c_header()
+    text = wire_codes.c_header()
     enums = {k: int(v) for k, v in re.findall(r"\b(DQ_\w+) = (-?\d+)", text)}
-    for name, f in _codes.SCALE_FORMATS.items():
+    for name, f in wire_codes.SCALE_FORMATS.items():
         assert enums[f"DQ_SCALE_{name.upper()}"] == f.code
-    for name, code in _codes.SPECIALS.items():
+    for name, code in wire_codes.SPECIALS.items():
         assert enums[f"DQ_SPEC_{name.upper()}"] == code
-    assert enums["DQ_SCALE_FORMATS"] == len(_codes.SCALE_FORMATS)
+    assert enums["DQ_SCALE_FORMATS"] == len(wire_codes.SCALE_FORMATS)
     arrays = {
         k: [int(v, 0) for v in re.findall(r"-?(?:0x[0-9A-F]+|\d+)", body)]
         for k, body in re.findall(r"(DQ_SCALE_\w+)\[DQ_SCALE_FORMATS\] = \{([^}]*)\}", text)
     }
-    by_code = sorted(_codes.SCALE_FORMATS.values(), key=lambda f: f.code)
+    by_code = sorted(wire_codes.SCALE_FORMATS.values(), key=lambda f: f.code)
     assert arrays["DQ_SCALE_P"] == [f.p for f in by_code]
     assert arrays["DQ_SCALE_GMIN"] == [f.gmin for f in by_code]
     assert arrays["DQ_SCALE_BYTES"] == [f.nbytes for f in by_code]
@@ -39,9 +39,9 @@ def test_the_generated_header_is_the_table() -> None:
 
 def test_codes_must_count_from_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     """The C++ tables are indexed by code: a gap is refused when the header is generated."""
-    monkeypatch.setitem(_codes.SPECIALS, "int", 5)
+    monkeypatch.setitem(wire_codes.SPECIALS, "int", 5)
     with pytest.raises(ValueError, match="codes must be 0, 1"):
-        _codes.c_header()
+        wire_codes.c_header()
 
 
 @pytest.mark.skipif(not NATIVE, reason="no C++ compiler: the native CPU kernels cannot run")
@@ -53,14 +53,14 @@ def test_a_library_of_other_codes_is_refused(monkeypatch: pytest.MonkeyPatch) ->
     lib = cpu_native._load()
     path = cpu_native.library_path()
     cpu_native._check_codes(lib, path)
-    bf16, fp16 = _codes.SCALE_FORMATS["bf16"], _codes.SCALE_FORMATS["fp16"]
-    monkeypatch.setitem(_codes.SCALE_FORMATS, "bf16", bf16._replace(code=fp16.code))
-    monkeypatch.setitem(_codes.SCALE_FORMATS, "fp16", fp16._replace(code=bf16.code))
+    bf16, fp16 = wire_codes.SCALE_FORMATS["bf16"], wire_codes.SCALE_FORMATS["fp16"]
+    monkeypatch.setitem(wire_codes.SCALE_FORMATS, "bf16", bf16._replace(code=fp16.code))
+    monkeypatch.setitem(wire_codes.SCALE_FORMATS, "fp16", fp16._replace(code=bf16.code))
     assert cpu_native.library_path() != path
-    with pytest.raises(RuntimeError, match="not those of dynamiq/codecs/_codes.py"):
+    with pytest.raises(RuntimeError, match="not those of dynamiq/codecs/wire_codes.py"):
         cpu_native._check_codes(lib, path)
     monkeypatch.undo()
-    monkeypatch.setitem(_codes.SPECIALS, "fnu", 4)
+    monkeypatch.setitem(wire_codes.SPECIALS, "fnu", 4)
     with pytest.raises(RuntimeError, match="compiled with the scale-format and specials codes"):
         cpu_native._check_codes(lib, path)
 
@@ -71,7 +71,7 @@ def test_no_other_copy_of_the_codes() -> None:
     a number instead of the generated names."""
     py = re.compile(r"""["'](?:e8m0|ieee|fn)["']\s*:\s*\(?\d""")  # (not "fp32": value kinds)
     for path in ROOT.rglob("*.py"):
-        if path.name != "_codes.py":
+        if path.name != "wire_codes.py":
             assert not py.search(path.read_text(encoding="utf-8")), path
     cpp = re.compile(r"\bfmt\s*[=!]=\s*\d|\bSPEC_\w+\s*=\s*\d|FMT_(?:P|GMIN|BYTES|NAN)\b")
     for path in (ROOT / "kernels" / "csrc").iterdir():
@@ -88,6 +88,6 @@ def test_the_triton_functions_compare_named_codes() -> None:
     for path in (ROOT / "kernels").glob("*.py"):
         assert not literal.search(path.read_text(encoding="utf-8")), path
     for name in ("ieee", "fn", "int"):
-        assert getattr(_common, f"SPEC_{name.upper()}").value == _codes.SPECIALS[name]
-    for name, f in _codes.SCALE_FORMATS.items():
+        assert getattr(_common, f"SPEC_{name.upper()}").value == wire_codes.SPECIALS[name]
+    for name, f in wire_codes.SCALE_FORMATS.items():
         assert getattr(intq, f"FMT_{name.upper()}").value == f.code

@@ -586,3 +586,24 @@ def test_prologue_statistics_native_or_not(
         cpu_native.set_cpu_kernels(None)
     assert len(calls) == ran  # and now it did not
     assert torch.equal(native, plain)
+
+
+def test_the_argument_template_holds_the_tables_it_points_into() -> None:
+    """The native template points into DynamiQ's tables; it holds them itself. Where another
+    thread's concurrent first call left a second, equal dict in the cache (``lru_cache`` does
+    not lock its computation), the tensors it pointed into had no owner: a collective of 4
+    threads failed with a garbage ``Q`` refused by the kernel. Here the cache is dropped
+    between building the template and using it, the freed memory overwritten."""
+    import gc
+
+    codec = DynamiqCodec(bits=4.3, scale_steps=3)
+    cpu_native._dynamiq_tables.cache_clear()
+    native = cpu_native._Native(codec, "dynamiq")
+    cpu_native._dynamiq_tables.cache_clear()
+    gc.collect()
+    junk = [torch.full((1 << 14,), -7.0e30) for _ in range(64)]  # reuse what was freed
+    x = torch.randn(8192, generator=torch.Generator().manual_seed(3))
+    ctx = HopContext()
+    want = K.encode(codec, x, ctx, backend="reference")
+    assert_bytes_equal(native.encode(codec, x, ctx), want, "native encode")
+    del junk

@@ -60,7 +60,7 @@ def c_header() -> str:
     enum_e = ", ".join(f"DQ_SPEC_{k.upper()} = {SPECIALS[k]}" for k in specials)
     return "\n".join(
         [
-            "// Generated from dynamiq/codecs/_codes.py when the native library is built",
+            "// Generated from dynamiq/codecs/wire_codes.py when the native library is built",
             "// (dynamiq/kernels/cpu_native.py): edit that module, not this file.",
             "#pragma once",
             "#include <cstdint>",
