@@ -22,7 +22,8 @@ from typing import Any
 
 from dynamiq.codecs import _dynamiq_pool
 from dynamiq.collectives import simulate_allreduce
-from dynamiq.data import load_gradients, parse_families
+from dynamiq.data import load_gradients
+from dynamiq.data.families import parse_families
 
 BASE = {"id": "dynamiq"}
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -20,7 +20,8 @@ import torch
 from dynamiq.codecs import _dynamiq_pool as pool
 from dynamiq.codecs import get_codec
 from dynamiq.collectives.planning import chunk_bounds
-from dynamiq.data import load_gradients, parse_families
+from dynamiq.data import load_gradients
+from dynamiq.data.families import parse_families
 
 SPAN = 256
 SLACKS = (0.05, 0.10, 0.25, 1.0)

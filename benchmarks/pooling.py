@@ -25,7 +25,8 @@ import torch
 
 from dynamiq.codecs import get_codec
 from dynamiq.collectives import simulate_allreduce
-from dynamiq.data import load_gradients, parse_families
+from dynamiq.data import load_gradients
+from dynamiq.data.families import parse_families
 
 CODECS: dict[str, dict[str, Any]] = {
     "mxfp8_e4m3": {"id": "mxfp8_e4m3"},

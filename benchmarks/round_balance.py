@@ -58,7 +58,7 @@ from dynamiq.codecs import get_codec, list_codecs
 from dynamiq.collectives import Schedule, get_schedule
 from dynamiq.collectives.balance import omnireduce_round_nbytes, round_balance, round_nbytes
 from dynamiq.collectives.simulator import prologue_shared, simulate_schedule
-from dynamiq.data import DataConfig, default_cache_dir
+from dynamiq.data.gradients import DataConfig, default_cache_dir
 
 WORKERS = 1024
 BUCKET = 6_553_600  # 25 MB of fp32: DDP's default bucket_cap_mb

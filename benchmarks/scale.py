@@ -46,7 +46,7 @@ from dynamiq.codecs import get_codec
 from dynamiq.collectives import Schedule, get_schedule
 from dynamiq.collectives.balance import round_balance
 from dynamiq.collectives.simulator import simulate_schedule
-from dynamiq.data import DataConfig, default_cache_dir
+from dynamiq.data.gradients import DataConfig, default_cache_dir
 
 CODECS = ("dynamiq", "mxfp8_e4m3", "int8", "mxfp4")
 SCHEDULES = ("ring", "butterfly", "hierarchical")

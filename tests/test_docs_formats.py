@@ -29,7 +29,8 @@ import pytest
 import torch
 from hash_reference import ref_hash, ref_keys
 
-from dynamiq.codecs import ELEMENT_FORMATS, HopContext, MXCodec, get_codec, list_codecs
+from dynamiq.codecs import HopContext, MXCodec, get_codec, list_codecs
+from dynamiq.codecs.formats import ELEMENT_FORMATS
 from dynamiq.codecs.hashing import hash_keys, hash_u32, uniform_open01
 from dynamiq.codecs.packing import pack_bits, packed_nbytes, unpack_bits
 

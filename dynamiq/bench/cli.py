@@ -221,8 +221,8 @@ def _check_demo(args: argparse.Namespace) -> None:
 
 
 def _check_compare(args: argparse.Namespace) -> None:
-    from dynamiq.data import DataConfig
     from dynamiq.data.corpus import SPLITS
+    from dynamiq.data.gradients import DataConfig
 
     args.world_sizes = parse_ints(args.workers, "--workers", 1, DataConfig().max_workers)
     args.codec_specs = parse_codecs(args.codecs) or list_codecs()

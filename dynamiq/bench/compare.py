@@ -108,7 +108,7 @@ def compare_families(  # noqa: PLR0913
         ValueError: on an unknown family, or ``numel`` larger than a family's ``N``
             (checked for every family before any comparison runs).
     """
-    from dynamiq.data import parse_families
+    from dynamiq.data.families import parse_families
 
     if load is None:
         from dynamiq.data import load_gradients

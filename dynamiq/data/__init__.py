@@ -40,31 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynamiq.data.corpus import SPLITS
-from dynamiq.data.digits import DigitsConfig
-from dynamiq.data.families import FAMILIES, Family, family_config, parse_families
-from dynamiq.data.gradients import DataConfig, default_cache_dir, load_or_generate
-from dynamiq.data.mlm import MLMConfig
-from dynamiq.data.model import ModelConfig
+from dynamiq.data.families import FAMILIES, Family, family_config
+from dynamiq.data.gradients import load_or_generate
 
-__all__ = [
-    "FAMILIES",
-    "SLICE_SHAPE",
-    "SPLITS",
-    "DataConfig",
-    "DigitsConfig",
-    "Family",
-    "MLMConfig",
-    "ModelConfig",
-    "default_cache_dir",
-    "family_config",
-    "gradient_stats",
-    "load_gradients",
-    "load_slice",
-    "load_slice_info",
-    "parse_families",
-    "slice_file",
-]
+__all__ = ["FAMILIES", "gradient_stats", "load_gradients", "load_slice"]
 
 #: the shape of the ``lm`` family's slice
 SLICE_SHAPE: tuple[int, int] = (8, 32768)

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from dynamiq.data import SPLITS, gradient_stats, load_slice, slice_file
+from dynamiq.data import gradient_stats, load_slice, slice_file
+from dynamiq.data.corpus import SPLITS
 from dynamiq.data.families import FAMILIES, Family, family_arg, family_config
 from dynamiq.data.gradients import (
     SLICE_WORKERS,

@@ -129,7 +129,7 @@ PLUGIN = textwrap.dedent(
     from dataclasses import dataclass
     from typing import ClassVar
 
-    from dynamiq.codecs import FP16Codec
+    from dynamiq.codecs.passthrough import FP16Codec
 
 
     @dataclass(frozen=True, kw_only=True)

@@ -22,15 +22,16 @@ import torch
 import dynamiq.data as dd
 from dynamiq.data import gradients as gr
 from dynamiq.data.__main__ import format_table, main
-from dynamiq.data.model import build_model
+from dynamiq.data.gradients import DataConfig, default_cache_dir
+from dynamiq.data.model import ModelConfig, build_model
 
 # Measured on the committed slice (docs/benchmarks.md): kurtosis 180.7 per
 # worker, 86.0 for the summed gradient.  Asserted with a wide margin, still
 # ten times the Gaussian's 3.
 SLICE_KURTOSIS_MIN = 30.0
 
-TINY = dd.DataConfig(
-    model=dd.ModelConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16),
+TINY = DataConfig(
+    model=ModelConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16),
     stdlib_bytes=20_000,
     include_docs=False,
     train_steps=10,
@@ -97,7 +98,7 @@ def test_slice_info_segments() -> None:
     # The slice's coordinates match what slice_segments computes for the default model.
     from dynamiq.data.model import param_layout
 
-    layout = param_layout(build_model(dd.ModelConfig(), 0))
+    layout = param_layout(build_model(ModelConfig(), 0))
     expected = np.concatenate([i for _, i in gr.slice_segments(layout)])
     assert np.array_equal(idx.numpy(), expected)
     assert int(idx.max()) < sum(int(p["numel"]) for p in layout)
@@ -223,19 +224,19 @@ def test_load_gradients_validates(kwargs: dict[str, Any], message: str, tmp_path
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (dd.DataConfig(train_steps=0), r"train_steps must be >= 1 \(got 0\)"),
-        (dd.DataConfig(lr=float("nan")), r"lr must be a finite number >= 0 \(got nan\)"),
-        (dd.DataConfig(model=dd.ModelConfig(n_heads=3)), r"d_model must be divisible by n_heads"),
-        (dd.DataConfig(model=dd.ModelConfig(d_model=0)), r"d_model must be an integer >= 1"),
+        (DataConfig(train_steps=0), r"train_steps must be >= 1 \(got 0\)"),
+        (DataConfig(lr=float("nan")), r"lr must be a finite number >= 0 \(got nan\)"),
+        (DataConfig(model=ModelConfig(n_heads=3)), r"d_model must be divisible by n_heads"),
+        (DataConfig(model=ModelConfig(d_model=0)), r"d_model must be an integer >= 1"),
     ],
 )
-def test_config_validates(config: dd.DataConfig, message: str, tmp_path: Path) -> None:
+def test_config_validates(config: DataConfig, message: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=message):
         dd.load_gradients(cache_dir=tmp_path, progress=False, config=config)
 
 
 def test_corpus_too_small_is_clear(tmp_path: Path) -> None:
-    cfg = dd.DataConfig(
+    cfg = DataConfig(
         model=TINY.model, stdlib_bytes=0, include_docs=False, worker_batch=2, max_workers=4
     )
     with pytest.raises(ValueError, match=r"corpus must hold at least \d+ bytes"):
@@ -374,6 +375,6 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path: Path) -> None:
 
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("DYNAMIQ_CACHE", str(tmp_path))
-    assert dd.default_cache_dir() == tmp_path
+    assert default_cache_dir() == tmp_path
     monkeypatch.delenv("DYNAMIQ_CACHE")
-    assert dd.default_cache_dir() == Path.home() / ".cache" / "dynamiq"
+    assert default_cache_dir() == Path.home() / ".cache" / "dynamiq"

@@ -26,7 +26,11 @@ from dynamiq.bench.cli import main as cli_main
 from dynamiq.bench.compare import compare, compare_families
 from dynamiq.data import gradients as gr
 from dynamiq.data.__main__ import main as data_main
-from dynamiq.data.mlm import MASK_ID, mask_bytes
+from dynamiq.data.digits import DigitsConfig
+from dynamiq.data.families import parse_families
+from dynamiq.data.gradients import DataConfig
+from dynamiq.data.mlm import MASK_ID, MLMConfig, mask_bytes
+from dynamiq.data.model import ModelConfig
 
 NEW = ("mlm", "digits")
 
@@ -38,8 +42,8 @@ NUMEL = {"lm": 3_323_648, "mlm": 2_518_529, "digits": 548_746}
 CLASSES = {"mlm": MASK_ID + 1, "digits": 10}
 
 TINY: dict[str, dd.Family] = {
-    "lm": dd.DataConfig(
-        model=dd.ModelConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16),
+    "lm": DataConfig(
+        model=ModelConfig(d_model=32, n_layers=1, n_heads=2, seq_len=16),
         stdlib_bytes=20_000,
         include_docs=False,
         train_steps=6,
@@ -47,7 +51,7 @@ TINY: dict[str, dd.Family] = {
         worker_batch=2,
         max_workers=4,
     ),
-    "mlm": dd.MLMConfig(
+    "mlm": MLMConfig(
         d_model=32,
         n_layers=1,
         n_heads=2,
@@ -59,7 +63,7 @@ TINY: dict[str, dd.Family] = {
         worker_batch=2,
         max_workers=4,
     ),
-    "digits": dd.DigitsConfig(
+    "digits": DigitsConfig(
         channels=(4, 8), hidden=16, train_steps=6, train_batch=8, worker_batch=4, max_workers=4
     ),
 }
@@ -82,22 +86,22 @@ def test_registry() -> None:
     assert dd.FAMILIES == ("lm", "mlm", "digits")
     for name in dd.FAMILIES:
         assert dd.family_config(name).name == name
-    assert dd.parse_families("all") == ["lm", "mlm", "digits"]
-    assert dd.parse_families("digits,lm") == ["digits", "lm"]
+    assert parse_families("all") == ["lm", "mlm", "digits"]
+    assert parse_families("digits,lm") == ["digits", "lm"]
     for bad, msg in (
         ("bert", r"unknown family 'bert'; known families: lm, mlm, digits"),
         ("lm,lm", r"families must not repeat"),
         ("lm,", r"comma-separated list"),
     ):
         with pytest.raises(ValueError, match=msg):
-            dd.parse_families(bad)
+            parse_families(bad)
     with pytest.raises(ValueError, match=r"unknown family 'x'"):
         dd.family_config("x")
 
 
 def test_config_of_another_family_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"config is a 'digits' configuration but family is 'mlm'"):
-        dd.load_gradients(family="mlm", config=dd.DigitsConfig(), cache_dir=tmp_path)
+        dd.load_gradients(family="mlm", config=DigitsConfig(), cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -111,7 +115,7 @@ def test_parameter_counts() -> None:
 def test_digits_without_sklearn_is_clear(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     with pytest.raises(ImportError, match=r"needs scikit-learn .*dynamiq-allreduce\[data\]"):
-        dd.DigitsConfig().build_source()
+        DigitsConfig().build_source()
 
 
 # --------------------------------------------------------------------------- slices
