@@ -28,7 +28,8 @@ never per call (:mod:`dynamiq.kernels._settings`).
 dispatch; ``import dynamiq.codecs`` imports no kernel module): the Triton module
 ``dynamiq.kernels.<family>`` and, but for ``"thc"`` and ``"omnireduce"``, a native CPU entry
 point (:mod:`dynamiq.kernels._declared`). Plugins declare a family or call
-:func:`register_kernels`.
+:func:`register_kernels`, once per backend: Triton kernels (CUDA tensors) and CPU kernels
+(CPU tensors) are registered the same way and chosen as the built-ins' are.
 
 **Traced and fake calls.** While ``torch.compile`` traces a call, and for fake, meta or other
 subclassed tensors, the call goes through the ``torch.library`` ops of
@@ -123,7 +124,7 @@ ReduceKernel = Callable[
 
 @dataclass(frozen=True)
 class KernelSet:
-    """The Triton implementations of a codec class (``None``: that operation runs on the
+    """The kernels of a codec class on one backend (``None``: that operation runs on the
     reference). Each takes already validated arguments, with ``ctx`` never ``None``:
     ``encode(codec, x, ctx)``, ``decode(codec, payload, numel, ctx)``,
     ``reduce(codec, payload, local, ctx, out_ctx)``."""
@@ -133,7 +134,10 @@ class KernelSet:
     reduce: ReduceKernel | None = None
 
 
-_PLUGINS: dict[type, KernelSet] = {}
+#: registered kernels: (codec class, backend) -> its kernels
+_PLUGINS: dict[tuple[type, str], KernelSet] = {}
+#: the backends :func:`register_kernels` takes
+_REGISTRABLE = ("triton", "cpu")
 _LOCK = threading.Lock()
 _LOCAL = threading.local()
 
@@ -144,43 +148,60 @@ def register_kernels(
     encode: EncodeKernel | None = None,
     decode: DecodeKernel | None = None,
     reduce: ReduceKernel | None = None,
+    backend: str = "triton",
     replace: bool = False,
 ) -> None:
-    """Register Triton kernels for ``codec_cls`` (exactly that class, not its subclasses).
+    """Register kernels for ``codec_cls`` (exactly that class, not its subclasses).
 
-    Operations left ``None`` run on the codec's reference. Registering a class twice, or one
-    that declares a ``kernel_family``, raises ``ValueError`` unless ``replace=True``. The
-    kernels are only called when the Triton backend is chosen, so a plugin may import Triton
-    inside them.
+    ``backend="triton"`` (default): Triton kernels, run for CUDA tensors (and for CPU tensors
+    through the interpreter under ``backend="triton"`` or ``TRITON_INTERPRET=1``), so a plugin
+    may import Triton inside them. ``backend="cpu"``: implementations for CPU tensors, run under
+    ``backend="cpu"`` and, while :func:`set_cpu_kernels` is on, ``"auto"`` (as the built-ins'
+    native kernels are). Operations left ``None`` run on the codec's reference. Registering a
+    class twice for one backend, or one that declares a ``kernel_family``, raises
+    ``ValueError`` unless ``replace=True``.
     """
     from dynamiq.codecs.base import Codec
 
     if not (isinstance(codec_cls, type) and issubclass(codec_cls, Codec)):
         raise TypeError(f"register_kernels takes a Codec subclass (got {codec_cls!r})")
+    if backend not in _REGISTRABLE:
+        raise ValueError(
+            f"backend must be one of {', '.join(map(repr, _REGISTRABLE))} (got {backend!r})"
+        )
     given = {"encode": encode, "decode": decode, "reduce": reduce}
     for op, fn in given.items():
         if fn is not None and not callable(fn):
             raise TypeError(f"{op} must be callable or None (got {type(fn).__name__})")
     if all(fn is None for fn in given.values()):
         raise ValueError("register_kernels needs at least one of encode, decode, reduce")
+    key = (codec_cls, backend)
     with _LOCK:
-        if (codec_cls in _PLUGINS or own_family(codec_cls)) and not replace:
+        if (key in _PLUGINS or own_family(codec_cls)) and not replace:
             raise ValueError(
-                f"kernels for {codec_cls.__module__}.{codec_cls.__qualname__} are already "
-                "registered (or declared: kernel_family); pass replace=True to override them"
+                f"{backend} kernels for {codec_cls.__module__}.{codec_cls.__qualname__} are "
+                "already registered (or declared: kernel_family); pass replace=True to "
+                "override them"
             )
-        _PLUGINS[codec_cls] = KernelSet(encode=encode, decode=decode, reduce=reduce)
+        _PLUGINS[key] = KernelSet(encode=encode, decode=decode, reduce=reduce)
         _settings.changed()
 
 
-def has_kernels(codec: Codec, op: str | None = None) -> bool:
-    """Whether ``codec`` has a Triton kernel for ``op`` (any of them when ``op`` is None)."""
+def has_kernels(codec: Codec, op: str | None = None, *, backend: str = "triton") -> bool:
+    """Whether ``codec`` has a kernel for ``op`` (any of them when ``op`` is None) on
+    ``backend``: ``"triton"`` (registered or declared Triton kernels) or ``"cpu"``
+    (registered CPU kernels, or the built-in native ones of its declared family)."""
     if op is not None and op not in _OPS:
         raise ValueError(f"op must be one of {', '.join(map(repr, _OPS))} (got {op!r})")
-    cls = type(codec)
-    if cls in _PLUGINS:
-        ks = _PLUGINS[cls]
+    if backend not in _REGISTRABLE:
+        raise ValueError(
+            f"backend must be one of {', '.join(map(repr, _REGISTRABLE))} (got {backend!r})"
+        )
+    ks = _PLUGINS.get((type(codec), backend))
+    if ks is not None:
         return any(getattr(ks, o) is not None for o in ([op] if op else _OPS))
+    if backend == "cpu":
+        return cpu_native._family(codec) is not None
     return declared_family(codec) is not None
 
 
@@ -416,13 +437,19 @@ def _resolve(codec: Codec, op: str, device: str, backend: str) -> _Plan:
                 "backend='reference'"
             )
         return _Plan(codec, op, _scoped(fn) if device == "cpu" else fn, "triton", generation)
+    cpu_set = _PLUGINS.get((type(codec), "cpu"))
     if backend == "cpu":
         if device != "cpu":
             raise ValueError(f"backend='cpu' runs CPU tensors (got {device} tensors)")
+        if cpu_set is not None:
+            return _Plan(codec, op, _registered_cpu(codec, op, cpu_set), "cpu", generation)
         return _Plan(codec, op, cpu_native.kernel(codec, op, required=True), "cpu", generation)
     if backend == "auto" and _auto_triton(device) and has_kernels(codec, op):
         fn = _kernel(codec, op, device)
         return _Plan(codec, op, _scoped(fn) if device == "cpu" else fn, "triton", generation)
+    if backend == "auto" and cpu_set is not None:  # every size, while CPU kernels are on
+        on = device == "cpu" and _settings.cpu_kernels and not _settings.cpu_compile
+        return _Plan(codec, op, getattr(cpu_set, op) if on else None, "cpu", generation)
     plan = _Plan(codec, op, None, "cpu", generation)
     if (
         backend == "auto"
@@ -433,6 +460,16 @@ def _resolve(codec: Codec, op: str, device: str, backend: str) -> _Plan:
     ):
         plan.min_numel, plan.pending = cpu_native.MIN_NUMEL, True
     return plan
+
+
+def _registered_cpu(codec: Codec, op: str, ks: KernelSet) -> Any:
+    fn = getattr(ks, op)
+    if fn is None:
+        raise NotImplementedError(
+            f"codec {codec.codec_id!r} ({type(codec).__qualname__}) registered no CPU kernel "
+            f"for {op}; use backend='reference'"
+        )
+    return fn
 
 
 def _scoped(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -478,9 +515,9 @@ def _kernel(codec: Codec, op: str, device: str) -> Any:
             "backend='triton' needs Triton (pip install 'triton>=3.6', or the "
             "dynamiq-allreduce[kernels] extra); use backend='reference' without it"
         )
-    cls = type(codec)
-    if cls in _PLUGINS:
-        return getattr(_PLUGINS[cls], op)
+    ks = _PLUGINS.get((type(codec), "triton"))
+    if ks is not None:
+        return getattr(ks, op)
     name = declared_family(codec)
     if name is None:
         return None

@@ -300,8 +300,9 @@ _ROUNDING = {"nearest": 0, "stochastic": 1, "correlated": 2}
 
 
 def set_cpu_kernels(enabled: bool | None) -> None:
-    """Let ``backend="auto"`` use the native CPU kernels or not (``None``: follow
-    ``DYNAMIQ_CPU_KERNELS``, on unless it is ``0``/``false``/``no``/``off``, read now; the
+    """Let ``backend="auto"`` use the CPU kernels (native, and those registered with
+    ``register_kernels(..., backend="cpu")``) or not (``None``: follow ``DYNAMIQ_CPU_KERNELS``,
+    on unless it is ``0``/``false``/``no``/``off``, read now; the
     environment is read at import and by the setters only: :mod:`dynamiq.kernels._settings`)."""
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool or None (got {type(enabled).__name__})")

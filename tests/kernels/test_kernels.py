@@ -537,3 +537,60 @@ def test_cpu_tensors_after_a_compiled_import_raise_every_time() -> None:
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_plugins_register_cpu_kernels_as_they_register_triton_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``register_kernels(..., backend="cpu")``: the CPU implementation runs CPU tensors under
+    ``auto`` (at every size, while CPU kernels are on) and ``backend="cpu"``, reports
+    ``last_backend() == "cpu"``, is separate from the class's Triton kernels, and follows the
+    same registration rules."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    @dataclass(frozen=True, kw_only=True)
+    class ThirdCodec(FP32Codec):
+        codec_id: ClassVar[str] = "test_third"
+
+        def _encode(self, x: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+            return super()._encode(x.float() * 0.25, ctx)
+
+    monkeypatch.setattr(K, "_PLUGINS", {})
+    codec = ThirdCodec()
+    x = torch.arange(16.0)
+    assert not K.has_kernels(codec, backend="cpu")
+    with pytest.raises(NotImplementedError, match="no native CPU kernel"):
+        K.encode(codec, x, backend="cpu")
+    calls: list[int] = []
+
+    def cpu_encode(c: Codec, v: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        calls.append(v.numel())
+        return (v.float() * 0.25).view(torch.uint8).clone()
+
+    K.register_kernels(ThirdCodec, encode=cpu_encode, backend="cpu")
+    assert K.has_kernels(codec, "encode", backend="cpu")
+    assert not K.has_kernels(codec, "decode", backend="cpu")
+    assert not K.has_kernels(codec)  # no Triton kernel: a separate registration
+    want = K.encode(codec, x, backend="reference")
+    assert torch.equal(codec.encode(x), want) and K.last_backend() == "cpu"
+    assert torch.equal(K.encode(codec, x, backend="cpu"), want) and calls == [16, 16]
+    with pytest.raises(NotImplementedError, match="registered no CPU kernel for decode"):
+        K.decode(codec, want, 16, backend="cpu")
+    K.decode(codec, want, 16)
+    assert K.last_backend() == "reference"  # no decode kernel: the reference
+    K.set_cpu_kernels(False)
+    try:
+        codec.encode(x)
+        assert K.last_backend() == "reference" and calls == [16, 16]
+    finally:
+        K.set_cpu_kernels(None)
+    with pytest.raises(ValueError, match="cpu kernels for .* already registered"):
+        K.register_kernels(ThirdCodec, encode=cpu_encode, backend="cpu")
+    K.register_kernels(ThirdCodec, encode=cpu_encode, backend="cpu", replace=True)
+    with pytest.raises(ValueError, match="backend must be one of 'triton', 'cpu'"):
+        K.register_kernels(ThirdCodec, encode=cpu_encode, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        K.has_kernels(codec, backend="auto")
+    with pytest.raises(ValueError, match="already registered"):
+        K.register_kernels(FP32Codec, encode=cpu_encode, backend="cpu")
