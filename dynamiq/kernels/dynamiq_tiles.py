@@ -6,8 +6,9 @@ Same bytes and values as :mod:`dynamiq.kernels.dynamiq` (its docstring: the wire
 every rule of the reference) and so as the reference; what differs is the schedule. That
 module runs one program per span, which walks the span's groups three times because a span of
 64K values does not fit on chip; a span of 256 does, so here a program holds ``P`` whole
-spans as one tile ``[P, groups, octets, 8]`` (``groups = span / group``, ``octets = group /
-8``) and everything per span is a vector over the tile's first axis:
+spans as one tile ``[8, octets, P, groups]`` (``groups = span / group``, ``octets = group /
+8``; the element axes first, so that a thread holds one group and a warp's lanes whole spans:
+:func:`_octets`) and everything per span is a vector over the tile's ``P`` axis:
 
 1. (reduce) the incoming headers: every group's level, then the threshold ``tau`` of every
    span at once by bisection (the cost of a threshold is a table lookup a group: the count of
@@ -19,9 +20,9 @@ spans as one tile ``[P, groups, octets, 8]`` (``groups = span / group``, ``octet
    1/1024 cell of ``[-1, 1]`` and the next key, so one comparison finishes the count; no
    search over the levels), and pack.
 
-Measured without a GPU (``benchmarks/sass_executed.py``, sm_90): about 240 executed SASS
-instructions a value for the fused reduce, against at least 1,660 for the span-a-program
-kernel.
+Measured without a GPU (``benchmarks/sass_executed.py``, sm_90): about 178 executed SASS
+instructions a value for the fused reduce (239 with the spans first), against at least 1,660
+for the span-a-program kernel.
 
 **Packing by octets.** With ``group % 8 == 0`` every group starts on a byte (its bit offset is
 a sum of ``group * w`` bits) and each 8 of its codes fill exactly ``w`` bytes, LSB first: the
@@ -84,8 +85,8 @@ def eligible(codec: DynamiqCodec) -> bool:
 
 @triton.jit
 def _x4(t):
-    """``[P, groups]`` -> ``[P, groups, 1, 1]``."""
-    return t[:, :, None, None]
+    """``[P, groups]`` -> ``[1, 1, P, groups]``."""
+    return t[None, None, :, :]
 
 
 @triton.jit
@@ -200,42 +201,45 @@ def _widths(  # noqa: PLR0913  Triton: an argument per pointer, size, constexpr
 
 @triton.jit
 def _octets(gsize, NO: tl.constexpr):
-    """Element axes: octet ``[1, 1, NO, 1]``, position in it ``[1, 1, 1, 8]``, and whether
-    each element ``[P, NGS, NO, 8]`` is a real value of its group."""
-    o = tl.arange(0, NO)[None, None, :, None]
-    j = tl.arange(0, 8)[None, None, None, :]
+    """Element axes: octet ``[1, NO, 1, 1]``, position in it ``[8, 1, 1, 1]``, and whether
+    each element ``[8, NO, P, NGS]`` is a real value of its group. The element axes come
+    first: Triton's default layout gives a thread the leading axes whole and spreads the
+    trailing ones over the lanes and warps, so a thread holds one group (its reductions and
+    its octets' words in registers) and a warp's lanes whole spans (no shared memory)."""
+    o = tl.arange(0, NO)[None, :, None, None]
+    j = tl.arange(0, 8)[:, None, None, None]
     return o, j, (o * 8 + j) < _x4(gsize)
 
 
 @triton.jit
 def _unpack_octets(body, nbody, off, w, scale, gsize, tab_ptr, NO: tl.constexpr):
-    """Decoded fp32 values ``[P, NGS, NO, 8]`` of the spans' bodies (``body`` ``[P]``
+    """Decoded fp32 values ``[8, NO, P, NGS]`` of the spans' bodies (``body`` ``[P]``
     pointers, ``nbody`` bytes): each octet's bytes into one word, its codes out of it,
     ``level * s`` (``0 * s`` for width 0, so a NaN or Inf scale decodes to NaN)."""
     o, j, real = _octets(gsize, NO)
     w4 = _x4(w)
     at = _x4(off >> 3) + o * w4  # the octet's first byte
-    nb4 = nbody[:, None, None, None]
+    nb4 = nbody[None, None, :, None]
     m = (j < w4) & (o * 8 < _x4(gsize)) & (at + j < nb4)
-    byte = tl.load(body[:, None, None, None] + at + j, mask=m, other=0).to(tl.int64)
-    word = tl.sum(byte << (8 * j).to(tl.int64), axis=3)
-    code = ((word[:, :, :, None] >> (j * w4).to(tl.int64)) & ((1 << w4) - 1)).to(tl.int32)
+    byte = tl.load(body[None, None, :, None] + at + j, mask=m, other=0).to(tl.int64)
+    word = tl.sum(byte << (8 * j).to(tl.int64), axis=0)
+    code = ((word[None, :, :, :] >> (j * w4).to(tl.int64)) & ((1 << w4) - 1)).to(tl.int32)
     level = tl.load(tab_ptr + w4 * ROW + code, mask=real & (w4 > 0), other=0.0)
     return level * _x4(scale), real
 
 
 @triton.jit
 def _pack(body, nbody, off, w, code, gsize, NO: tl.constexpr):
-    """Store the codes ``[P, NGS, NO, 8]``: each octet's into one word, its low bytes (those
+    """Store the codes ``[8, NO, P, NGS]``: each octet's into one word, its low bytes (those
     its codes reach) into the body; then zeros to the end of each container."""
     o, j, _ = _octets(gsize, NO)
     w4 = _x4(w)
-    word = tl.sum(code.to(tl.int64) << (j * w4).to(tl.int64), axis=3)
+    word = tl.sum(code.to(tl.int64) << (j * w4).to(tl.int64), axis=0)
     at = _x4(off >> 3) + o * w4
     ncodes = tl.minimum(tl.maximum(_x4(gsize) - 8 * o, 0), 8)
-    m = (8 * j < w4 * ncodes) & (at + j < nbody[:, None, None, None])
-    byte = (word[:, :, :, None] >> (8 * j).to(tl.int64)) & 0xFF
-    tl.store(body[:, None, None, None] + at + j, byte.to(tl.uint8), mask=m)
+    m = (8 * j < w4 * ncodes) & (at + j < nbody[None, None, :, None])
+    byte = (word[None, :, :, :] >> (8 * j).to(tl.int64)) & 0xFF
+    tl.store(body[None, None, :, None] + at + j, byte.to(tl.uint8), mask=m)
     used = (tl.sum(w * gsize, axis=1) + 7) >> 3
     zb = tl.arange(0, 16)[None, :]
     for z in range(0, tl.max(nbody - used, axis=0), 16):
@@ -249,7 +253,7 @@ def _incoming(  # noqa: PLR0913  Triton: an argument per pointer, size, constexp
     itab, POOL: tl.constexpr, K: tl.constexpr, NGS: tl.constexpr, NO: tl.constexpr,
     POOLED: tl.constexpr, Q, QMIN: tl.constexpr, QMAX: tl.constexpr,
 ):  # fmt: skip
-    """The decoded values ``[P, NGS, NO, 8]`` of the spans of a payload, and which are real."""
+    """The decoded values ``[8, NO, P, NGS]`` of the spans of a payload, and which are real."""
     ptr, bits = _site(in_ptr, pool_ptr, span, n, last, span_bytes, b_full, b_last, POOL)
     lvl, live, scale = _read_header(ptr, n, gsize, tab_ptr, K, NGS)
     w, off = _widths(lvl, live, gsize, n, bits, itab, Q, POOLED, QMIN, QMAX)
@@ -258,11 +262,11 @@ def _incoming(  # noqa: PLR0913  Triton: an argument per pointer, size, constexp
 
 @triton.jit
 def _statistics(v, real, gsize, tab_ptr, K: tl.constexpr):
-    """Of the values ``[P, NGS, NO, 8]``: each span's scale (bf16 bits ``[P]``: the smallest
+    """Of the values ``[8, NO, P, NGS]``: each span's scale (bf16 bits ``[P]``: the smallest
     bf16 >= the absmax, ``NAN_SCALE`` for NaN) and each group's code (the largest whose
     scale is still >= its absmax; 15 for an all-zero group), level, liveness and scale."""
     mag = tl.where(real, v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
-    ag = tl.max(tl.max(mag, axis=3), axis=2)  # integer max: NaN > Inf > finite
+    ag = tl.max(tl.max(mag, axis=0), axis=0)  # integer max: NaN > Inf > finite
     amax = tl.max(ag, axis=1)
     s16 = tl.where(amax > 0x7F800000, NAN_SCALE, (amax + 0xFFFF) >> 16)
     s = (s16 << 16).to(tl.float32, bitcast=True)[:, None]
