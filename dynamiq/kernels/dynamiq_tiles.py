@@ -21,7 +21,7 @@ spans as one tile ``[8, octets, P, groups]`` (``groups = span / group``, ``octet
    1/1024 cell of ``[-1, 1]`` and the next key, so one comparison finishes the count; no
    search over the levels), and pack.
 
-Measured without a GPU (``benchmarks/sass_executed.py``, sm_90): about 128 executed SASS
+Measured without a GPU (``benchmarks/sass_executed.py``, sm_90): about 121 executed SASS
 instructions a value for the fused reduce (239 with the spans first, the octets' lanes
 converted through shared memory and a program-wide test ending the searches), against at
 least 1,660 for the span-a-program kernel.
@@ -242,7 +242,8 @@ def _unpack_octets(body, nbody, off, w, scale, gsize, tab_ptr, NO: tl.constexpr)
     byte = tl.load(body[None, None, :, None] + at + j, mask=m, other=0).to(tl.int64)
     word = tl.sum(byte << (8 * j).to(tl.int64), axis=0)
     code = ((word[None, :, :, :] >> (j * w4).to(tl.int64)) & ((1 << w4) - 1)).to(tl.int32)
-    level = tl.load(tab_ptr + w4 * ROW + code, mask=real & (w4 > 0), other=0.0)
+    # (values past a short last group's end decode to a level too: nothing reads them)
+    level = tl.load(tab_ptr + w4 * ROW + code, mask=w4 > 0, other=0.0)
     return level * _x4(scale), real
 
 
@@ -381,10 +382,14 @@ def _dqt_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
     s16, e, lvl, live, scale = _statistics(v, real, gsize, ftab, K)
     _write_header(out, s16, e, gsize, P, NGS)
     w, off = _widths(lvl, live, gsize, n, bits, itab, Q, POOLED, QMIN, QMAX)
+    # the widths per group, broadcast (a mask per value here would make every step of the
+    # quantizer per value: the divisor's select, the width's tests); what a group's values past
+    # its end (a short last group) quantize to is cleared after
     code = _quantize(
-        v, _x4(scale), tl.where(real, _x4(w), 0), ftab, itab, offset + first + el, key0, key1,
-        ckey0, ckey1, hop, num_hops, MODE,
+        v, _x4(scale), _x4(w), ftab, itab, offset + first + el, key0, key1, ckey0, ckey1, hop,
+        num_hops, MODE,
     )  # fmt: skip
+    code = tl.where(real, code, 0)
     _pack(out + hbytes, (bits + 7) // 8, off, w, code, gsize, NO)
 
 
