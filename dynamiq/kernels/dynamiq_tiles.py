@@ -21,7 +21,7 @@ spans as one tile ``[8, octets, P, groups]`` (``groups = span / group``, ``octet
    1/1024 cell of ``[-1, 1]`` and the next key, so one comparison finishes the count; no
    search over the levels), and pack.
 
-Measured without a GPU (``benchmarks/sass_executed.py``, sm_90): about 121 executed SASS
+Measured without a GPU (``benchmarks/sass_executed.py``, sm_90): about 118 executed SASS
 instructions a value for the fused reduce (239 with the spans first, the octets' lanes
 converted through shared memory and a program-wide test ending the searches), against at
 least 1,660 for the span-a-program kernel.
@@ -256,6 +256,13 @@ def _pack(body, nbody, off, w, code, gsize, NO: tl.constexpr):
     word = tl.sum(code.to(tl.int64) << (j * w4).to(tl.int64), axis=0)
     at = _x4(off >> 3) + o * w4
     ncodes = tl.minimum(tl.maximum(_x4(gsize) - 8 * o, 0), 8)
+    # the bits of the octet's real codes only (a short last group's tail quantized to
+    # something): 2^nb - 1 in two shifts, so that nb = 64 wraps to all ones
+    o3 = tl.arange(0, NO)[:, None, None]
+    real3 = tl.minimum(tl.maximum(gsize[None, :, :] - 8 * o3, 0), 8)
+    nb = (w[None, :, :] * real3).to(tl.int64)
+    half = nb >> 1
+    word = word & (((tl.full(nb.shape, 1, tl.int64) << half) << (nb - half)) - 1)
     m = (8 * j < w4 * ncodes) & (at + j < nbody[None, None, :, None])
     byte = (word[None, :, :, :] >> (8 * j).to(tl.int64)) & 0xFF
     tl.store(body[None, None, :, None] + at + j, byte.to(tl.uint8), mask=m)
@@ -384,12 +391,11 @@ def _dqt_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
     w, off = _widths(lvl, live, gsize, n, bits, itab, Q, POOLED, QMIN, QMAX)
     # the widths per group, broadcast (a mask per value here would make every step of the
     # quantizer per value: the divisor's select, the width's tests); what a group's values past
-    # its end (a short last group) quantize to is cleared after
+    # its end (a short last group) quantize to is masked off in the packed words (_pack)
     code = _quantize(
         v, _x4(scale), _x4(w), ftab, itab, offset + first + el, key0, key1, ckey0, ckey1, hop,
         num_hops, MODE,
     )  # fmt: skip
-    code = tl.where(real, code, 0)
     _pack(out + hbytes, (bits + 7) // 8, off, w, code, gsize, NO)
 
 
