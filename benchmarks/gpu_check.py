@@ -706,6 +706,8 @@ def time_kernels(
                 "  thc fused ms by num_warps (same bytes as the reference): "
                 + ", ".join(f"{w}: {t * 1e3:.3f} ({same[w]})" for w, t in by.items())
             )
+        if name == "dynamiq" and time.monotonic() < deadline:
+            _dynamiq_value_layouts(row, fused, reference, measure)
         out["codecs"][name] = row
         print(
             f"  {name:12s} {t_fused * 1e3:9.3f} {t_unfused * 1e3:10.3f} {t_ref * 1e3:9.3f} "
@@ -716,6 +718,33 @@ def time_kernels(
         del local, payload
         save()
     return out
+
+
+def _dynamiq_value_layouts(
+    row: dict[str, Any], fused: Callable[[], Any], reference: Callable[[], Any], measure: Any
+) -> None:
+    """The many-spans DynamiQ kernel with its values read and written coalesced (the
+    default) and in the compute layout (``dynamiq_tiles.X_COALESCED``): fewer instructions
+    a value, more cache lines a load; both timed, and their bytes checked."""
+    import torch
+
+    from dynamiq.kernels import dynamiq_tiles
+
+    want = reference()
+    default = dynamiq_tiles.X_COALESCED
+    row["fused_seconds_by_x_coalesced"], row["same_bytes_by_x_coalesced"] = {}, {}
+    try:
+        for coalesced in (True, False):
+            dynamiq_tiles.X_COALESCED = coalesced
+            row["fused_seconds_by_x_coalesced"][str(coalesced)] = measure(fused)
+            row["same_bytes_by_x_coalesced"][str(coalesced)] = bool(torch.equal(fused(), want))
+    finally:
+        dynamiq_tiles.X_COALESCED = default
+    by, same = row["fused_seconds_by_x_coalesced"], row["same_bytes_by_x_coalesced"]
+    print(
+        "  dynamiq fused ms by X_COALESCED (same bytes as the reference): "
+        + ", ".join(f"{k}: {t * 1e3:.3f} ({same[k]})" for k, t in by.items())
+    )
 
 
 # -- compile only (no GPU) --------------------------------------------------------------------

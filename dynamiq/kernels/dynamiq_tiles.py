@@ -21,7 +21,7 @@ spans as one tile ``[8, octets, P, groups]`` (``groups = span / group``, ``octet
    1/1024 cell of ``[-1, 1]`` and the next key, so one comparison finishes the count; no
    search over the levels), and pack.
 
-Measured without a GPU (``benchmarks/sass_executed.py``, sm_90): about 118 executed SASS
+Measured without a GPU (``benchmarks/sass_executed.py``, sm_90): about 121 executed SASS
 instructions a value for the fused reduce (239 with the spans first, the octets' lanes
 converted through shared memory and a program-wide test ending the searches), against at
 least 1,660 for the span-a-program kernel.
@@ -230,6 +230,18 @@ def _octets(gsize, NO: tl.constexpr):
 
 
 @triton.jit
+def _x_index(el, local, o, G: tl.constexpr, NGS: tl.constexpr, XCOAL: tl.constexpr):
+    """The values' index from the program's first, ``el`` (``XCOAL``: the same index with the
+    octet position's contiguity visible, so that Triton reads and writes the values with the
+    lanes along the octet and converts them to the compute layout through shared memory: the
+    variant :data:`X_COALESCED` keeps for the GPU check to time)."""
+    if XCOAL:
+        j = tl.arange(0, 8)[:, None, None, None]
+        return _x4(local[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j
+    return el
+
+
+@triton.jit
 def _unpack_octets(body, nbody, off, w, scale, gsize, tab_ptr, NO: tl.constexpr):
     """Decoded fp32 values ``[8, NO, P, NGS]`` of the spans' bodies (``body`` ``[P]``
     pointers, ``nbody`` bytes): each octet's bytes into one word, its codes out of it,
@@ -366,7 +378,7 @@ def _dqt_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
     NO: tl.constexpr, P: tl.constexpr, K: tl.constexpr, POOLED: tl.constexpr,
     MODE: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,
     Q3: tl.constexpr, Q4: tl.constexpr, Q5: tl.constexpr, Q6: tl.constexpr,
-    Q7: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+    Q7: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, XCOAL: tl.constexpr,
 ):  # fmt: skip
     """Encode (or, ``FUSED``, reduce: decode the incoming spans and add ``x``) ``P`` spans
     (the sizes and hop context of :func:`dynamiq.kernels.dynamiq._dq_encode_kernel`; the
@@ -375,7 +387,7 @@ def _dqt_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
     Q = (Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7)
     o, j, real = _octets(gsize, NO)
     el = _x4(local[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j  # from `first`
-    v = load_f32(x_ptr + first, el, real, IN_KIND)
+    v = load_f32(x_ptr + first, _x_index(el, local, o, G, NGS, XCOAL), real, IN_KIND)
     if FUSED:
         dec, _ = _incoming(
             in_ptr, in_pool_ptr, span, n, last, hbytes, gsize, in_span_bytes, in_budget,
@@ -406,7 +418,7 @@ def _dqt_decode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
     NGS: tl.constexpr, NO: tl.constexpr, P: tl.constexpr, K: tl.constexpr,
     POOLED: tl.constexpr, Q0: tl.constexpr, Q1: tl.constexpr, Q2: tl.constexpr,
     Q3: tl.constexpr, Q4: tl.constexpr, Q5: tl.constexpr, Q6: tl.constexpr,
-    Q7: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+    Q7: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, XCOAL: tl.constexpr,
 ):  # fmt: skip
     """Decode ``P`` spans into fp32 values."""
     first, span, local, n, last, hbytes, gsize = _spans(numel, P, SPAN, G, NGS)
@@ -417,10 +429,18 @@ def _dqt_decode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
     )  # fmt: skip
     o, j, _ = _octets(gsize, NO)
     el = _x4(local[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j
-    tl.store(out_ptr + first + el, v, mask=real)
+    tl.store(out_ptr + first + _x_index(el, local, o, G, NGS, XCOAL), v, mask=real)
 
 
 # -- launchers --------------------------------------------------------------------------------
+
+
+#: read and write the values (``x``, the decoded output) coalesced, the lanes along the
+#: octet, through a layout conversion (about 3 instructions a value), rather than in the
+#: compute layout, where a thread's 4-byte loads lie 64 bytes apart (16 cache lines a warp's
+#: load instead of 4: L1 may bound the kernel). The same bytes either way;
+#: ``benchmarks/gpu_check.py`` times both
+X_COALESCED = True
 
 
 def _meta(codec: DynamiqCodec, device: torch.device) -> dict[str, int]:
@@ -438,6 +458,7 @@ def _meta(codec: DynamiqCodec, device: torch.device) -> dict[str, int]:
         **{f"Q{w}": q[w] for w in range(8)},
         "QMIN": min(q),
         "QMAX": max(q),
+        "XCOAL": X_COALESCED,
     }
 
 

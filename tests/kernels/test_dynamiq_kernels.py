@@ -349,3 +349,18 @@ def test_dispatch_runs_the_dynamiq_kernels(monkeypatch: pytest.MonkeyPatch) -> N
     if DEVICE == "cpu":
         codec.encode(x)
         assert K.last_backend() == "reference"  # the CPU without TRITON_INTERPRET
+
+
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_tiles_bit_exact_with_either_value_layout(
+    coalesced: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The values read (``x``) and written (decode) in the compute layout or coalesced
+    (``dynamiq_tiles.X_COALESCED``, which the GPU check times both ways): the same bytes and
+    values, a short last span and group included."""
+    monkeypatch.setattr(kdyn.dynamiq_tiles, "X_COALESCED", coalesced)
+    codec = get_codec(TILES["tiles"])
+    n = 3 * codec.span + 37
+    x = random_values(n, 11).to(DEVICE)
+    local = random_values(n, 12).to(torch.bfloat16).to(DEVICE)
+    check_all(codec, x, local, CTX_PAIRS[1], f"X_COALESCED={coalesced}")
