@@ -35,6 +35,10 @@ instruction whose line info is only a call site counts as reached when the call 
     python benchmarks/sass_executed.py                    # default codec, 16,384 values
     python benchmarks/sass_executed.py --numel 65536 --json
     python benchmarks/sass_executed.py --numel 65536 --span-kernel
+
+It also prints (JSON: ``reached_per_value_by_call``) the reached instructions a value by the
+kernel's line they come from: nvdisasm's line info names only the kernel's own lines (the
+calls of the helpers inlined into it), so that is the finest split it gives.
 """
 
 from __future__ import annotations
@@ -311,7 +315,27 @@ def estimate(arch: int, numel: int) -> dict[str, Any]:
             if c[0] in headers
         },
         "constexprs": {k: v for k, v in meta.items() if not k.startswith("Q")},
+        "reached_per_value_by_call": _by_call(sass, reached, per_thread),
     }
+
+
+def _by_call(sass: list[tuple[int, str, tuple]], reached: list[bool], per: float) -> dict:
+    """Reached instructions a value by the kernel's own line they come from (the outermost
+    of their inlining chain: the call of a helper, or a statement of the kernel), largest
+    first; loop trips beyond the first not included. nvdisasm's line info may name only the
+    kernel's lines, so this is the finest split it allows."""
+    by: collections.Counter[str] = collections.Counter()
+    lines: dict[str, list[str]] = {}
+    for (_, _, chain), hit in zip(sass, reached, strict=True):
+        if not hit:
+            continue
+        f, n = chain[-1] if chain else ("?", 0)
+        if f not in lines:
+            path = Path(__file__).resolve().parents[1] / "dynamiq" / "kernels" / f
+            lines[f] = path.read_text().splitlines() if path.exists() else []
+        text = lines[f][n - 1].strip() if 0 < n <= len(lines[f]) else ""
+        by[f"{f}:{n} {text[:60]}"] += 1
+    return {k: round(v / per, 1) for k, v in by.most_common()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     print("  source loop headers reached, runs per program (iterations + exits):")
     for where, runs in got["source_loop_headers"].items():
         print(f"    {where}: {runs}")
+    print("  reached instructions a value by the kernel's line (loop trips apart):")
+    for where, per in got["reached_per_value_by_call"].items():
+        print(f"    {per:6.1f}  {where}")
     return 0
 
 
