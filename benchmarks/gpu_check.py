@@ -687,27 +687,22 @@ def time_kernels(
         if name == "thc" and time.monotonic() < deadline:
             # the warps per program of its 16384-value tiles (16 by default): the choice
             # was made from ptxas's register counts, not timed; time the alternatives here
+            # (4 and 8 spill: the slowest to compile)
             from dynamiq.kernels import thc as kthc
 
-            row["fused_seconds_by_num_warps"] = {}
-            row["same_bytes_by_num_warps"] = {}
-            want = reference()
-            try:
-                for warps in (16, 32, 8, 4):  # 4 and 8 spill: the slowest to compile
-                    if time.monotonic() > deadline:
-                        break
-                    kthc.WARPS_OVERRIDE = warps
-                    row["fused_seconds_by_num_warps"][warps] = measure(fused)
-                    row["same_bytes_by_num_warps"][warps] = bool(torch.equal(fused(), want))
-            finally:
-                kthc.WARPS_OVERRIDE = None
-            by, same = row["fused_seconds_by_num_warps"], row["same_bytes_by_num_warps"]
-            print(
-                "  thc fused ms by num_warps (same bytes as the reference): "
-                + ", ".join(f"{w}: {t * 1e3:.3f} ({same[w]})" for w, t in by.items())
-            )
+            _time_variants(
+                row, "num_warps", kthc, "WARPS_OVERRIDE", (16, 32, 8, 4), fused, reference,
+                measure, deadline,
+            )  # fmt: skip
         if name == "dynamiq" and time.monotonic() < deadline:
-            _dynamiq_value_layouts(row, fused, reference, measure)
+            # the many-spans kernel's values read and written coalesced (the default) or in
+            # the compute layout: fewer instructions a value, more cache lines a load
+            from dynamiq.kernels import dynamiq_tiles
+
+            _time_variants(
+                row, "x_coalesced", dynamiq_tiles, "X_COALESCED", (True, False), fused,
+                reference, measure, deadline,
+            )  # fmt: skip
         out["codecs"][name] = row
         print(
             f"  {name:12s} {t_fused * 1e3:9.3f} {t_unfused * 1e3:10.3f} {t_ref * 1e3:9.3f} "
@@ -720,29 +715,37 @@ def time_kernels(
     return out
 
 
-def _dynamiq_value_layouts(
-    row: dict[str, Any], fused: Callable[[], Any], reference: Callable[[], Any], measure: Any
+def _time_variants(
+    row: dict[str, Any],
+    label: str,
+    module: Any,
+    attr: str,
+    values: tuple[Any, ...],
+    fused: Callable[[], Any],
+    reference: Callable[[], Any],
+    measure: Any,
+    deadline: float,
 ) -> None:
-    """The many-spans DynamiQ kernel with its values read and written coalesced (the
-    default) and in the compute layout (``dynamiq_tiles.X_COALESCED``): fewer instructions
-    a value, more cache lines a load; both timed, and their bytes checked."""
+    """The fused reduce timed with ``module.attr`` set to each of ``values`` in turn (then
+    restored), and its bytes compared with the reference's each time: into ``row`` as
+    ``fused_seconds_by_<label>`` and ``same_bytes_by_<label>``."""
     import torch
 
-    from dynamiq.kernels import dynamiq_tiles
-
     want = reference()
-    default = dynamiq_tiles.X_COALESCED
-    row["fused_seconds_by_x_coalesced"], row["same_bytes_by_x_coalesced"] = {}, {}
+    saved = getattr(module, attr)
+    by: dict[str, float] = row.setdefault(f"fused_seconds_by_{label}", {})
+    same: dict[str, bool] = row.setdefault(f"same_bytes_by_{label}", {})
     try:
-        for coalesced in (True, False):
-            dynamiq_tiles.X_COALESCED = coalesced
-            row["fused_seconds_by_x_coalesced"][str(coalesced)] = measure(fused)
-            row["same_bytes_by_x_coalesced"][str(coalesced)] = bool(torch.equal(fused(), want))
+        for value in values:
+            if time.monotonic() > deadline:
+                break
+            setattr(module, attr, value)
+            by[str(value)] = measure(fused)
+            same[str(value)] = bool(torch.equal(fused(), want))
     finally:
-        dynamiq_tiles.X_COALESCED = default
-    by, same = row["fused_seconds_by_x_coalesced"], row["same_bytes_by_x_coalesced"]
+        setattr(module, attr, saved)
     print(
-        "  dynamiq fused ms by X_COALESCED (same bytes as the reference): "
+        f"  fused ms by {label} (same bytes as the reference): "
         + ", ".join(f"{k}: {t * 1e3:.3f} ({same[k]})" for k, t in by.items())
     )
 
