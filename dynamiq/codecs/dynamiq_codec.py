@@ -465,13 +465,6 @@ class DynamiqCodec(Codec):
     def shared_from_tensors(self, tensors: list[torch.Tensor]) -> Mapping[str, Any] | None:
         return _pool.pool_from_tensors(tensors)
 
-    def _kernel_memo(self, ctx: HopContext | None) -> dict[Any, Any] | None:
-        """Where a kernel may memoize what depends on the prologue's result in ``ctx.shared``
-        (:attr:`~dynamiq.codecs._dynamiq_pool.Pool.kernel_memo`: it lives as long as that
-        result), or ``None`` when nothing of it depends on ``ctx.shared``."""
-        shared = self._pool_shared(ctx)
-        return None if shared is None else _pool.kernel_memo(shared)
-
     def _span_budgets(self, numel: int, ctx: HopContext | None) -> torch.Tensor:
         """The budget (bits) of each span of ``numel`` values (int64, CPU)."""
         pooled = self._pooled_bytes(numel, ctx)

@@ -173,9 +173,15 @@ _SIGN_CACHE: dict[tuple[int, torch.device], torch.Tensor] = {}
 _SIGN_LOCK = threading.Lock()
 
 
+def rotation_keys(seed: int) -> tuple[int, int]:
+    """The counter-hash keys of the rotation's signs for ``rotation_seed``: step 0 and a hop
+    no :class:`HopContext` has, so they never meet a dither's."""
+    return hash_keys(seed, 0, _ROTATION_HOP, 0)
+
+
 def _hash_signs(seed: int, start: int, end: int, device: torch.device) -> torch.Tensor:
     """``±1`` (fp32) of the global indices ``start .. end - 1`` from the counter hash."""
-    keys = hash_keys(seed, 0, _ROTATION_HOP, 0)
+    keys = rotation_keys(seed)
     idx = torch.arange(start, end, device=device, dtype=torch.int64)
     return 1.0 - 2.0 * (hash_u32(idx, keys) >> 31).to(torch.float32)
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .base import HopContext
-from .hashing import hash_keys
 
 if TYPE_CHECKING:
     from .thc import ThcCodec, ThcLayout, ThcSegments
@@ -27,7 +26,7 @@ __all__ = ["ThcWire"]
 class ThcWire:
     """The wire description of one THC configuration (one per configuration:
     :meth:`ThcCodec.wire`). ``rotation_keys``: the counter-hash keys of the rotation's signs
-    (seed ``rotation_seed``, a hop no :class:`HopContext` has, so they never meet a dither)."""
+    (:func:`~dynamiq.codecs.thc.rotation_keys`, which the reference's rotation uses)."""
 
     codec: ThcCodec
     rotation_keys: tuple[int, int]
@@ -73,6 +72,6 @@ class ThcWire:
 
 @functools.lru_cache(maxsize=64)
 def wire_of(codec: ThcCodec) -> ThcWire:
-    from .thc import _ROTATION_HOP
+    from .thc import rotation_keys
 
-    return ThcWire(codec=codec, rotation_keys=hash_keys(codec.rotation_seed, 0, _ROTATION_HOP, 0))
+    return ThcWire(codec=codec, rotation_keys=rotation_keys(codec.rotation_seed))

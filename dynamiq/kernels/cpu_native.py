@@ -873,8 +873,9 @@ def _native(codec: Any, family: str) -> _Native:
 @functools.lru_cache(maxsize=32)
 def _dynamiq_tables(codec: Any) -> dict[str, torch.Tensor]:
     """The reference's own tables of a DynamiQ configuration (``codec.wire()``; contiguous
-    CPU tensors, kept alive here): levels and rounding cells, the priorities ``Q``, and the 16
-    group-scale steps and powers of the group scale ``(S * steps[e]) * powers[e]``."""
+    CPU tensors; the template that points into them holds them, :func:`_dyn_template`):
+    levels and rounding cells, the priorities ``Q``, and the 16 group-scale steps and powers
+    of the group scale ``(S * steps[e]) * powers[e]``."""
     wire = codec.wire()
     t = wire.tables
     out = {
