@@ -782,10 +782,8 @@ def _plan(codec: DynamiqCodec, numel: int, ctx: HopContext) -> _Plan:
     last = numel - (spans - 1) * codec.span
     wire = codec.wire()
     budget, budget_last = wire.budget(codec.span, ctx), wire.budget(last, ctx)
-    n_sg, n_g = codec.span // codec.super_group, codec.span // codec.group
-    span_bytes = 2 * n_sg + (n_g * 4 + 7) // 8 + (budget + 7) // 8
-    last_bytes = -(-last // codec.super_group) * 2 + (-(-last // codec.group) * 4 + 7) // 8
-    total = (spans - 1) * span_bytes + last_bytes + (budget_last + 7) // 8
+    span_bytes = wire.header_nbytes(codec.span) + (budget + 7) // 8
+    total = (spans - 1) * span_bytes + wire.header_nbytes(last) + (budget_last + 7) // 8
     if not wire.pooled(ctx) and total != codec.encoded_nbytes(numel, ctx):
         # the layout must be the reference's (pooled budgets: from the per-span table)
         raise RuntimeError(

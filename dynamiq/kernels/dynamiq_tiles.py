@@ -230,15 +230,20 @@ def _octets(gsize, NO: tl.constexpr):
 
 
 @triton.jit
-def _x_index(el, local, o, G: tl.constexpr, NGS: tl.constexpr, XCOAL: tl.constexpr):
-    """The values' index from the program's first, ``el`` (``XCOAL``: the same index with the
-    octet position's contiguity visible, so that Triton reads and writes the values with the
-    lanes along the octet and converts them to the compute layout through shared memory: the
-    variant :data:`X_COALESCED` keeps for the GPU check to time)."""
+def _value_index(local, o, j, G: tl.constexpr, NGS: tl.constexpr):
+    """Each element's index ``[8, NO, P, NGS]`` from the program's first value."""
+    return _x4(local[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j
+
+
+@triton.jit
+def _x_index(local, o, j, G: tl.constexpr, NGS: tl.constexpr, XCOAL: tl.constexpr):
+    """:func:`_value_index` for reading and writing the values (``XCOAL``: with the octet
+    position's contiguity visible, so that Triton reads and writes them with the lanes along
+    the octet and converts them to the compute layout through shared memory: the default,
+    :data:`X_COALESCED`)."""
     if XCOAL:
-        j = tl.arange(0, 8)[:, None, None, None]
-        return _x4(local[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j
-    return el
+        return _value_index(local, o, tl.arange(0, 8)[:, None, None, None], G, NGS)
+    return _value_index(local, o, j, G, NGS)
 
 
 @triton.jit
@@ -386,8 +391,8 @@ def _dqt_encode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
     first, span, local, n, last, hbytes, gsize = _spans(numel, P, SPAN, G, NGS)
     Q = (Q0, Q1, Q2, Q3, Q4, Q5, Q6, Q7)
     o, j, real = _octets(gsize, NO)
-    el = _x4(local[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j  # from `first`
-    v = load_f32(x_ptr + first, _x_index(el, local, o, G, NGS, XCOAL), real, IN_KIND)
+    el = _value_index(local, o, j, G, NGS)  # from `first`
+    v = load_f32(x_ptr + first, _x_index(local, o, j, G, NGS, XCOAL), real, IN_KIND)
     if FUSED:
         dec, _ = _incoming(
             in_ptr, in_pool_ptr, span, n, last, hbytes, gsize, in_span_bytes, in_budget,
@@ -428,8 +433,7 @@ def _dqt_decode_kernel(  # noqa: PLR0913  Triton: an argument per pointer, size,
         in_budget_last, ftab, itab, POOL_IN, K, NGS, NO, POOLED, Q, QMIN, QMAX,
     )  # fmt: skip
     o, j, _ = _octets(gsize, NO)
-    el = _x4(local[:, None] + tl.arange(0, NGS)[None, :] * G) + o * 8 + j
-    tl.store(out_ptr + first + _x_index(el, local, o, G, NGS, XCOAL), v, mask=real)
+    tl.store(out_ptr + first + _x_index(local, o, j, G, NGS, XCOAL), v, mask=real)
 
 
 # -- launchers --------------------------------------------------------------------------------
