@@ -67,7 +67,7 @@ def prologue_phases(x: torch.Tensor, ranks: int, iters: int) -> dict[str, float]
 
     def budgets() -> dict:
         got = result()
-        pool.span_budgets(got[pool.SHARED_KEY], dq.bits, dq.balance)
+        pool.span_budgets(got[pool.SHARED_KEY], dq.bits, dq.balance, dq.balance_slack)
         return got
 
     shared = result()
@@ -167,7 +167,7 @@ def main() -> None:
     def prologue_local() -> None:
         stats = pool.span_statistics(dq, x, 0, regions)
         p = pool.shared_from_statistics(dq, stats, n, 2, regions)[pool.SHARED_KEY]
-        pool.span_budgets(p, dq.bits, dq.balance)
+        pool.span_budgets(p, dq.bits, dq.balance, dq.balance_slack)
 
     jobs: dict[str, Callable[[], object]] = {}
     for name, (c, p, k) in payloads.items():

@@ -27,6 +27,7 @@ for sched in sys.argv[2].split(","):
     for name, cfg in [
         ("default", {}),
         ("balance=1e6", {"balance": 1e6}),
+        ("balance_slack=0", {"balance_slack": 0}),
         (
             "span design (pooling=span, span=65536, super_group=1024, bits=4.7)",
             {"pooling": "span", "span": 65536, "super_group": 1024, "bits": 4.7},

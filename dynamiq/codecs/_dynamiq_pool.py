@@ -531,7 +531,7 @@ class Pool:
     numel: int
     regions: tuple[tuple[int, int], ...]
     first: tuple[int, ...]
-    budgets: dict[float, torch.Tensor] = field(default_factory=dict)
+    budgets: dict[tuple[float, float, int], torch.Tensor] = field(default_factory=dict)
     fixed: torch.Tensor | None = None
     #: per bits/value, the container bytes of the spans before each span (and the total)
     prefix: dict[float, list[int]] = field(default_factory=dict)
@@ -641,13 +641,14 @@ def _region_totals(pooled: torch.Tensor, uniform: torch.Tensor, cap: torch.Tenso
     return out
 
 
-def span_budgets(pool: Pool, bits: float, balance: float) -> torch.Tensor:
+def span_budgets(pool: Pool, bits: float, balance: float, slack: int) -> torch.Tensor:
     """Bytes of every span's container (int64, CPU) for ``bits`` bits/value (memoized in
     ``pool``): the buffer's ``floor(bits·N) // 8`` bytes shared among its spans in proportion
     to their demand (at most a byte a value), each region holding at most ``balance`` times
-    the mean of the regions' uniform shares ``floor(bits·len) // 8`` (the excess goes to
-    the others)."""
-    got = pool.fixed if pool.fixed is not None else pool.budgets.get(bits)
+    the mean ``m`` of the regions' uniform shares ``floor(bits·len) // 8``, or ``floor(m) +
+    slack`` bytes where that is more (the excess goes to the others)."""
+    key = (bits, balance, slack)
+    got = pool.fixed if pool.fixed is not None else pool.budgets.get(key)
     if got is not None:
         return got
     demand, lens, first = pool.demand, pool.lens, list(pool.first)
@@ -656,18 +657,20 @@ def span_budgets(pool: Pool, bits: float, balance: float) -> torch.Tensor:
     uniform = torch.tensor([math.floor(bits * (b - a)) // 8 for a, b in pool.regions])
     whole = _distribute(demand, lens, [0, lens.numel()], uniform.sum().view(1))
     pooled = _segment_sum(whole, seg, n_seg)
-    # every region at most `balance` times the mean region's share: the largest message of
-    # a round over the mean (a region of fewer values may hold more bytes per value)
+    # every region at most `balance` times the mean region's share (the largest message of
+    # a round over the mean; a region of fewer values may hold more bytes per value), or
+    # `slack` bytes above it: a round of small messages costs its latency, not its bytes
     mean = int(uniform.sum()) / max(n_seg, 1)
+    most = max(math.floor(mean * balance), math.floor(mean) + slack)
     cap = torch.minimum(
-        torch.full((n_seg,), math.floor(mean * balance), dtype=torch.int64),
+        torch.full((n_seg,), most, dtype=torch.int64),
         _segment_sum(lens, seg, n_seg),
     )
     totals = _region_totals(pooled, uniform, cap)
     # one region holding the whole buffer's bytes: the same sharing as the whole buffer's
     same = n_seg == 1 and torch.equal(totals, uniform.sum().view(1))
     out = whole if same else _distribute(demand, lens, first, totals)
-    pool.budgets[bits] = out
+    pool.budgets[key] = out
     return out
 
 
@@ -683,7 +686,9 @@ def chunk_budgets(
     if numel == 0 and 0 <= offset <= pool.numel:
         return torch.zeros(0, dtype=torch.int64)
     first = _first_span(codec, pool, numel, offset)
-    return span_budgets(pool, bits, codec.balance)[first : first + -(-numel // codec.span)]
+    return span_budgets(pool, bits, codec.balance, codec.balance_slack)[
+        first : first + -(-numel // codec.span)
+    ]
 
 
 def chunk_bytes(
@@ -721,7 +726,7 @@ def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
 def _prefix(codec: DynamiqCodec, pool: Pool, bits: float) -> list[int]:
     got = pool.prefix.get(bits)
     if got is None:
-        budgets = span_budgets(pool, bits, codec.balance)
+        budgets = span_budgets(pool, bits, codec.balance, codec.balance_slack)
         got = pool.prefix[bits] = [0, *torch.cumsum(budgets, 0).tolist()]
     return got
 
@@ -774,7 +779,7 @@ def _every_span(codec: DynamiqCodec, pool: Pool, bits: float) -> tuple[torch.Ten
     in ``pool`` per bits/value)."""
     got = pool.kernel_args.get(bits)
     if got is None:
-        budgets = span_budgets(pool, bits, codec.balance)
+        budgets = span_budgets(pool, bits, codec.balance, codec.balance_slack)
         sizes = budgets + sum(codec._header_bytes(codec.span))
         got = (budgets * 8).contiguous(), (torch.cumsum(sizes, 0) - sizes).contiguous()
         pool.kernel_args[bits] = got

@@ -19,7 +19,9 @@ of **groups** of ``group`` values (16). Per span, the wire holds:
   every span: the bucket's ``floor(bits_k · N)`` bits pooled over all its spans. In an
   all-reduce the prologue also moves the engine's chunk cuts to equal bytes (each chunk
   within 1.1 times the mean chunk's values), and every chunk holds at most ``balance``
-  times the mean chunk's uniform share (so every rank sends about as much in every round).
+  times the mean chunk's uniform share, or ``balance_slack`` bytes more than it where that
+  is more (so every rank sends about as much in every round, and chunks of a few spans,
+  whose rounds cost their latency, not their bytes, may still pool).
   Bytes per value (prologue included) stay
   ``bits_k + 80/span + 8/span`` bits: 4.964 by default (5.0 at most);
 * ``pooling="span"``, or without the prologue's result (``ctx.shared``): ``floor(bits_k ·
@@ -327,6 +329,7 @@ class DynamiqCodec(Codec):
     scale_steps: int = 2
     pooling: str = "bucket"
     balance: float = 1.15
+    balance_slack: int = 256
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
@@ -348,6 +351,7 @@ class DynamiqCodec(Codec):
             raise TypeError(f"balance must be a number (got {type(self.balance).__name__})")
         if not 1.0 <= self.balance <= 1e6:
             raise ValueError(f"balance must be in 1..1e6 (got {self.balance})")
+        check_int("balance_slack", self.balance_slack, 0, 1 << 30)
         if not isinstance(self.hop_slope, (int, float)) or not 0 <= self.hop_slope <= 4:
             raise ValueError(f"hop_slope must be in 0..4 (got {self.hop_slope})")
         check_int("scale_steps", self.scale_steps, 1, 4)

@@ -75,6 +75,13 @@ EXTRA_FIXTURES: dict[str, dict[str, Any]] = {
         "prologue": {"ranks": 3},
         "input_block": 1024,
     },
+    # the pooled default before 2026-12-03's `balance_slack` (chunks capped at `balance` only)
+    "dynamiq_pooled_strict": {
+        "codec": {"id": "dynamiq", "balance_slack": 0},
+        "ctx": {"seed": 3, "rank": 0},
+        "prologue": {"ranks": 3},
+        "input_block": 1024,
+    },
     "nvfp4_prologue": {
         "codec": {"id": "nvfp4"},
         "ctx": {"hop": 1, "num_hops": 2, "contributions": 2},

@@ -203,6 +203,9 @@ def test_correlated_rounding_cancels_errors_across_hops() -> None:
         ({"rounding": "up"}, ValueError, "rounding must be one of"),
         ({"scale_steps": 5}, ValueError, "scale_steps must be in 1..4 (got 5)"),
         ({"hop_slope": -1}, ValueError, "hop_slope must be in 0..4"),
+        ({"balance": 0.5}, ValueError, "balance must be in 1..1e6 (got 0.5)"),
+        ({"balance_slack": -1}, ValueError, "balance_slack must be in 0..1073741824 (got -1)"),
+        ({"balance_slack": 1.5}, TypeError, "balance_slack must be an int"),
     ],
 )
 def test_bad_config(config: dict, exc: type[Exception], words: str) -> None:

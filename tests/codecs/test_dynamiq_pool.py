@@ -110,13 +110,15 @@ def test_budgets_fit_and_balance(chunks) -> None:
     shared = prologue(codec, xs, chunks)
     assert all(s == shared[0] for s in shared[1:])  # every rank derives the same
     p = shared[0][pool.SHARED_KEY]
-    budgets = pool.span_budgets(p, codec.bits, codec.balance)
+    budgets = pool.span_budgets(p, codec.bits, codec.balance, codec.balance_slack)
     lens = p.lens
     assert bool((budgets >= 0).all()) and bool((budgets <= lens).all())  # <= 8 bits a value
     assert int(budgets.sum()) <= math.floor(codec.bits * 9001) // 8
-    # every region within `balance` of the mean region's uniform share
+    # every region within `balance` of the mean region's uniform share, or `balance_slack`
+    # bytes above it
     shares = [math.floor(codec.bits * (b - a)) // 8 for a, b in p.regions]
-    cap = math.floor(sum(shares) / len(shares) * codec.balance)
+    mean = sum(shares) / len(shares)
+    cap = max(math.floor(mean * codec.balance), math.floor(mean) + codec.balance_slack)
     for f, t in zip(p.first[:-1], p.first[1:], strict=True):
         assert int(budgets[f:t].sum()) <= cap
     # the wire size: a function of the shared data and the context alone
@@ -423,6 +425,39 @@ def test_recut_is_the_best_cut_within_the_value_slack(
     assert all(-(-(b - a) // align) <= most for a, b in got)
 
 
+def test_small_chunks_may_exceed_balance_by_the_slack() -> None:
+    """Chunks of two spans, all the signal in the first: ``balance`` alone holds it to 1.15
+    times the mean chunk's share; ``balance_slack`` lets it take that many bytes more (and
+    no more), and the bucket's total stays the same."""
+    chunks = [(a, a + 512) for a in range(0, 2048, 512)]
+    g = torch.Generator().manual_seed(5)
+    xs = []
+    for _ in range(3):
+        x = torch.randn(2048, generator=g) * 1e-6
+        x[:512] = torch.randn(512, generator=g)
+        xs.append(x)
+    p = prologue(DynamiqCodec(), xs, chunks)[0][pool.SHARED_KEY]
+    bits, share = 4.62, math.floor(4.62 * 512) // 8
+    totals = {}
+    for slack in (0, 64, 256):
+        budgets = pool.span_budgets(p, bits, 1.15, slack)
+        totals[slack] = [int(budgets[f:t].sum()) for f, t in itertools.pairwise(p.first)]
+        assert sum(totals[slack]) == 4 * share
+        cap = max(math.floor(share * 1.15), share + slack)
+        assert max(totals[slack]) <= cap
+    assert totals[0][0] == math.floor(share * 1.15)  # the cap binds
+    assert totals[64][0] == share + 64
+    assert math.floor(share * 1.15) < totals[256][0] <= share + 256
+    # the default codec carries the slack into its chunks' budgets
+    codec = DynamiqCodec()
+    shared = {pool.SHARED_KEY: p}
+    assert codec.balance_slack == 256
+    first = pool.chunk_budgets(codec, shared, 512, 0, bits)
+    assert int(first.sum()) == totals[256][0]
+    strict = DynamiqCodec(balance_slack=0)
+    assert int(pool.chunk_budgets(strict, shared, 512, 0, bits).sum()) == totals[0][0]
+
+
 def test_allreduce_rounds_are_balanced_in_bytes() -> None:
     """The engine cuts by the prologue's bounds (gloo-free: the threaded engine and the
     batched simulator alike): every round's largest message is within `balance` of the mean,
@@ -453,7 +488,7 @@ def test_allreduce_rounds_are_balanced_in_bytes() -> None:
 
     def largest(shared: dict) -> int:
         p = shared[pool.SHARED_KEY]
-        budgets = pool.span_budgets(p, codec.bits, 1e6)  # uncapped: the cut's own balance
+        budgets = pool.span_budgets(p, codec.bits, 1e6, 0)  # uncapped: the cut's own balance
         return max(int(budgets[f:t].sum()) for f, t in itertools.pairwise(p.first))
 
     assert largest(moved) < largest(kept)
