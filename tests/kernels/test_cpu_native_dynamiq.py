@@ -20,6 +20,7 @@ contexts.
 from __future__ import annotations
 
 import math
+import platform
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -179,6 +180,21 @@ def test_default_config_several_spans() -> None:
     x = random_values(n, 3)
     local = edge_values(n, 1024, 4).to(torch.bfloat16)
     check_all(codec, x, local, CTX_PAIRS[0], "default")
+
+
+@pytest.mark.parametrize("group", [8, 16, 32])
+@pytest.mark.parametrize("bits", [0.5, 1.0, 2.0, 3.3, 4.62, 5.5, 7.0, 7.97, 8.0])
+def test_one_super_group_spans_at_every_budget(group: int, bits: float) -> None:
+    """Spans of one super-group of full groups (the default's shape: its own widths code,
+    ``widths_one_sg``) from a budget of a few groups' bits to every group at 8 bits, with
+    a short last span of whole groups (the same code) and one with a short last group (the
+    general code); edge values give groups of equal codes, so thresholds tie and groups rise."""
+    codec = dq(span=256, super_group=256, group=group, pooling="span", bits=bits)
+    for k, n in enumerate((3 * 256 + 3 * group, 3 * 256 + 3 * group + 2)):
+        x = random_values(n, k + int(8 * bits))
+        edge = edge_values(n, 256, k + group).to(DTYPES[k])
+        check_all(codec, x, edge, CTX_PAIRS[0], f"group {group} bits {bits} n {n} random")
+        check_all(codec, edge, x, CTX_PAIRS[1], f"group {group} bits {bits} n {n} edge")
 
 
 @pytest.mark.parametrize("name", ["small", "correlated_slope", "group3", "group64_correlated"])
@@ -380,21 +396,38 @@ def test_thread_count_does_not_change_the_bytes(monkeypatch: pytest.MonkeyPatch)
     check_all(codecs[0], x, local, (ctx, out_ctx), "after the thread runs")
 
 
-@pytest.mark.slow  # ~12-19 s: a second full compile of the kernels
-def test_portable_build_bit_exact(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The loops that machines without AVX-512 run (built here with -DDQ_PORTABLE; a few
-    seconds), for group sizes the vector code would otherwise take."""
+@pytest.mark.parametrize(
+    "flag",
+    [
+        # ~12-19 s: a second full compile of the kernels
+        pytest.param("-DDQ_PORTABLE", marks=pytest.mark.slow, id="portable"),
+        # the AVX2 code of machines without AVX-512 (dynamiq_avx2.h, widths_one_sg's AVX2
+        # masks): where the compiler targets x86 with AVX2, else the portable loops again
+        pytest.param("-mno-avx512f", id="avx2"),
+    ],
+)
+def test_other_builds_bit_exact(flag: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The code that machines without AVX-512 run, built here with ``flag``, for group sizes
+    the AVX-512 code would otherwise take, and the default's spans of one super-group."""
+    if flag.startswith("-m") and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"{flag} is an x86 flag; this machine is {platform.machine()}")
     monkeypatch.setattr(cpu_native, "_LIB", None)
     monkeypatch.setattr(cpu_native, "_FAILURE", None)
-    monkeypatch.setattr(cpu_native, "FLAGS", (*cpu_native.FLAGS, "-DDQ_PORTABLE"))
+    monkeypatch.setattr(cpu_native, "FLAGS", (*cpu_native.FLAGS, flag))
     monkeypatch.setenv("DYNAMIQ_CACHE", str(tmp_path))
     assert cpu_native.available()
     for name in ("small", "stochastic", "group64_correlated", "bits8_correlated"):
         codec = dq(**CONFIGS[name])
         n = codec.span + 333
         x, local = random_values(n, 1), edge_values(n, 64, 2).to(torch.float16)
-        check_all(codec, x, local, CTX_PAIRS[1], f"portable {name}")
-        check_all(codec, local, x, CTX_PAIRS[2], f"portable {name} edge")
+        check_all(codec, x, local, CTX_PAIRS[1], f"{flag} {name}")
+        check_all(codec, local, x, CTX_PAIRS[2], f"{flag} {name} edge")
+    for group, bits in ((16, 4.62), (16, 0.5), (16, 7.97), (8, 3.3), (32, 5.5)):
+        codec = dq(span=256, super_group=256, group=group, pooling="span", bits=bits)
+        n = 5 * 256 + 3 * group
+        x, local = random_values(n, group), edge_values(n, 256, 3).to(torch.bfloat16)
+        check_all(codec, x, local, CTX_PAIRS[0], f"{flag} one super-group {group} {bits}")
+        check_all(codec, local, x, CTX_PAIRS[1], f"{flag} one super-group {group} {bits} edge")
 
 
 # -- Hypothesis -------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ struct DynJob {
   const float* eyt;   // [9 * 256] each width's rounding keys as a search tree (vector code)
   const float* eyt5;  // [9 * 32] widths 1..5: the same padded with +inf to 5 levels
   int32_t q[MAX_W], q_lo, q_hi;  // the priorities Q[w], their range
+  int32_t q_falls;               // Q never rises with w (every built-in table: widths_one_sg)
   // by d = tau - 8 L - q_lo clamped to [0, d_max]: the width of a group of level L at
   // threshold tau (how many Q[w] >= tau - 8 L) and whether its next bit is worth tau - 1
   int32_t d_max, pad;  // pad: how far the widths' cost looks past the levels (in levels)
@@ -175,10 +176,131 @@ struct Scratch {
 
 // -- widths -----------------------------------------------------------------------------------
 
+// widths() for a span of one live super-group of full groups (the default span of 256): the
+// priorities 8 L + Q[w] less the super-group's 8 k floor(log2 S) are Q[w] - 8 e, at most 32
+// groups of 8 in int16, which the compiler vectorizes. With every group the same size g, a
+// threshold t fits the budget iff at most K = budget / g priorities are >= t, so tau is the
+// smallest such t (a search on the count; with K at least all of them, any t at or below
+// the least one: every width 8, nothing rises, as the reference's tau = the least gives).
+// With Q falling, a group's width is its count of priorities >= tau, and its next bit is
+// worth tau - 1 iff one of its priorities is tau - 1; the leftover bits take the first
+// left / g rising groups. false: not such a span (the general code runs).
+bool widths_one_sg(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
+  if (!j.pooled || !j.q_falls || G.n_sg != 1 || G.last != j.g || G.n_g > 32) return false;
+  const float S = sc.S[0];
+  if (!(std::isfinite(S) && S > 0.0f)) return false;
+  const int n_g = (int)G.n_g, n = n_g * MAX_W, words = (n_g + 7) / 8;
+  const uint8_t* __restrict e = sc.e.data();
+  // P[8 gi + ww], padded to 32 groups with the least int16 (below every threshold tried)
+  alignas(64) int16_t P[32 * MAX_W];
+  for (int i = n; i < 32 * MAX_W; i++) P[i] = INT16_MIN;
+  for (int gi = 0; gi < n_g; gi++)
+    for (int ww = 0; ww < MAX_W; ww++) P[gi * MAX_W + ww] = (int16_t)(j.q[ww] - 8 * e[gi]);
+  // bit 8 i + ww of word q: P[8 (8 q + i) + ww] >= t (ge) or == t (eq)
+  uint64_t ge[4], eq[4];
+#if defined(DQ_VECTOR)
+  const int nreg = (n + 31) / 32;  // 4 groups a register
+  __m512i pv[8];
+  for (int r = 0; r < nreg; r++) pv[r] = _mm512_load_si512((const void*)(P + 32 * r));
+  auto count = [&](int32_t t) {
+    const __m512i tv = _mm512_set1_epi16((int16_t)t);
+    int32_t c = 0;
+    for (int r = 0; r < nreg; r++) c += __builtin_popcount(_mm512_cmpge_epi16_mask(pv[r], tv));
+    return c;
+  };
+  auto masks = [&](int32_t t) {
+    const __m512i tv = _mm512_set1_epi16((int16_t)t), t1 = _mm512_set1_epi16((int16_t)(t - 1));
+    for (int q = 0; q < words; q++) {
+      uint64_t a = 0, b = 0;
+      for (int h = 0; h < 2 && 2 * q + h < nreg; h++) {
+        a |= (uint64_t)_mm512_cmpge_epi16_mask(pv[2 * q + h], tv) << (32 * h);
+        b |= (uint64_t)_mm512_cmpeq_epi16_mask(pv[2 * q + h], t1) << (32 * h);
+      }
+      ge[q] = a;
+      eq[q] = b;
+    }
+  };
+#elif defined(DQ_AVX2)
+  const int nreg = (n + 15) / 16;  // 2 groups a register
+  __m256i pv[16];
+  for (int r = 0; r < nreg; r++) pv[r] = _mm256_load_si256((const __m256i*)(P + 16 * r));
+  auto count = [&](int32_t t) {  // P >= t: P > t - 1 (two mask bits a lane)
+    const __m256i tv = _mm256_set1_epi16((int16_t)(t - 1));
+    int32_t c = 0;
+    for (int r = 0; r < nreg; r++)
+      c += __builtin_popcount((uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi16(pv[r], tv)));
+    return c >> 1;
+  };
+  auto masks = [&](int32_t t) {
+    const __m256i tv = _mm256_set1_epi16((int16_t)(t - 1));
+    for (int q = 0; q < words; q++) {
+      uint64_t a = 0, b = 0;
+      for (int h = 0; h < 4 && 4 * q + h < nreg; h++) {
+        const __m256i v = pv[4 * q + h];
+        const uint32_t mg = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi16(v, tv));
+        const uint32_t me = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi16(v, tv));
+        a |= (uint64_t)_pext_u32(mg, 0x55555555u) << (16 * h);
+        b |= (uint64_t)_pext_u32(me, 0x55555555u) << (16 * h);
+      }
+      ge[q] = a;
+      eq[q] = b;
+    }
+  };
+#else
+  auto count = [&](int32_t t) {
+    int32_t c = 0;
+    for (int i = 0; i < n; i++) c += P[i] >= t ? 1 : 0;
+    return c;
+  };
+  auto masks = [&](int32_t t) {
+    for (int q = 0; q < words; q++) {
+      uint64_t a = 0, b = 0;
+      for (int i = 0; i < 64; i++) {
+        a |= (uint64_t)(P[64 * q + i] >= t) << i;
+        b |= (uint64_t)(P[64 * q + i] == t - 1) << i;
+      }
+      ge[q] = a;
+      eq[q] = b;
+    }
+  };
+#endif
+  const int64_t K = budget / j.g;
+  int32_t lo = j.q_lo - 8 * E_MAX, hi = j.q_hi + 1;  // every priority is in [lo, hi)
+  while (lo < hi) {
+    const int32_t mid = lo + ((hi - lo) >> 1);
+    const bool fits = count(mid) <= K;
+    hi = fits ? mid : hi;
+    lo = fits ? lo : mid + 1;
+  }
+  masks(lo);
+  // a group's width: the bits of its byte of ge (a popcount of each byte); it rises iff its
+  // byte of eq is not 0
+  uint8_t* __restrict w = sc.w.data();
+  int64_t used = 0;
+  uint32_t rise = 0;
+  for (int q = 0; q < words; q++) {
+    uint64_t x = ge[q];
+    used += __builtin_popcountll(x);
+    x = x - ((x >> 1) & 0x5555555555555555ull);
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
+    std::memcpy(w + 8 * q, &x, (size_t)std::min(8, n_g - 8 * q));
+    for (int i = 0; i < 8; i++) rise |= (uint32_t)(((eq[q] >> (8 * i)) & 0xffu) != 0) << (8 * q + i);
+  }
+  int64_t take = std::min<int64_t>(__builtin_popcount(rise), (budget - used * j.g) / j.g);
+  for (; take > 0; take--) {
+    w[__builtin_ctz(rise)]++;
+    rise &= rise - 1;
+  }
+  std::memset(w + n_g, 0, (size_t)(j.per_sg - n_g));
+  return true;
+}
+
 // The widths w[0 .. n_gp) of a span from its super-group scales sc.S (as read: NaN, Inf or
 // negative possible) and group codes sc.e, for a container of budget bits (_widths_rows).
 // The groups of a super-group share k floor(log2 S), so each pass works per super-group.
 void widths(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
+  if (widths_one_sg(j, G, budget, sc)) return;
   const int64_t g = j.g, n_g = G.n_g, per = j.per_sg;
   uint8_t* __restrict w = sc.w.data();
   const uint8_t* __restrict e = sc.e.data();
@@ -342,6 +464,33 @@ void widths(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
 
 // -- scales -----------------------------------------------------------------------------------
 
+#ifdef DQ_VECTOR
+// scale_codes for falling candidates cand[0 .. 15], 16 groups at a time (of the n groups of
+// absmax bits gm), as scale_codes_avx2 (dynamiq_avx2.h) does 8: e, the count of the codes
+// 1..15 whose scale is >= the absmax (never for a NaN; a group of zeros: 15), and the scale
+// s = cand[e]; returns the groups done (a multiple of 16)
+inline int64_t scale_codes_512(const float* cand, const uint32_t* gm, int64_t n, uint8_t* e,
+                               float* s) {
+  __m512 cv[E_MAX + 1];
+  for (int ee = 0; ee <= E_MAX; ee++) cv[ee] = _mm512_set1_ps(cand[ee]);
+  const __m512 ct = _mm512_loadu_ps(cand);
+  const __m512i one = _mm512_set1_epi32(1);
+  int64_t gi = 0;
+  for (; gi + 16 <= n; gi += 16) {
+    const __m512i bits = _mm512_loadu_si512((const void*)(gm + gi));
+    const __m512 a = _mm512_castsi512_ps(bits);
+    __m512i c = _mm512_setzero_si512();
+    for (int ee = 1; ee <= E_MAX; ee++)
+      c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(cv[ee], a, _CMP_GE_OQ), c, one);
+    c = _mm512_mask_mov_epi32(c, _mm512_cmpeq_epi32_mask(bits, _mm512_setzero_si512()),
+                              _mm512_set1_epi32(E_MAX));
+    _mm512_storeu_ps(s + gi, _mm512_permutexvar_ps(c, ct));
+    _mm_storeu_si128((__m128i*)(e + gi), _mm512_cvtepi32_epi8(c));
+  }
+  return gi;
+}
+#endif
+
 // The super-group scales (written to the header hdr and sc.S) and the group codes and scales
 // (sc.e, sc.s) of a span from its group absmax bits sc.gmax.
 void scale_codes(const DynJob& j, const Geo& G, uint8_t* hdr, Scratch& sc) {
@@ -368,7 +517,9 @@ void scale_codes(const DynJob& j, const Geo& G, uint8_t* hdr, Scratch& sc) {
     // group of zeros: 15. With falling candidates, the count of the codes 1..15 that fit.
     if (falls) {
       int64_t gi = 0;
-#ifdef DQ_AVX2
+#if defined(DQ_VECTOR)
+      gi = scale_codes_512(cand, gm, per, e, s);
+#elif defined(DQ_AVX2)
       gi = scale_codes_avx2(cand, gm, per, e, s);
 #endif
       for (; gi < per; gi++) {
@@ -1079,6 +1230,8 @@ int dq_dyn_run(dq_dyn_args* a) {
   for (int i = 0; i < MAX_W; i++) j.q[i] = (int32_t)a->q[i];
   j.q_lo = *std::min_element(j.q, j.q + MAX_W);
   j.q_hi = *std::max_element(j.q, j.q + MAX_W);
+  j.q_falls = 1;
+  for (int i = 1; i < MAX_W; i++) j.q_falls &= j.q[i] <= j.q[i - 1] ? 1 : 0;
   if (j.q_hi - j.q_lo + 2 > 255) return 1;  // (the tables of scale_steps <= 4 are smaller)
   j.d_max = j.q_hi - j.q_lo + 2;
   j.pad = ((j.q_hi - j.q_lo) >> 3) + 2;
