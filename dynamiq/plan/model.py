@@ -173,7 +173,8 @@ def wire_bytes(
                     nb, ex = _piece_bytes(op.codec, a, b, op.ctx)
                     sent[r] += nb
                     # DynamiQ pooled over the bucket: each chunk's bytes follow the data
-                    # (within `balance` times the uniform budget predicted here)
+                    # (within `balance` times, or `balance_slack` bytes above, the uniform
+                    # budget predicted here)
                     exact &= ex and getattr(op.codec, "pooling", None) != "bucket"
     return sent, exact
 
