@@ -78,6 +78,20 @@ def test_level_table_is_the_references_level(k: int) -> None:
         assert int(base[e]) == table["l_min"] + int((thr < (e << 23)).sum())
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_native_levels_at_every_threshold(k: int) -> None:
+    """The kernel's own level of values on, one below and one above every threshold (groups
+    of one value: a level each), against ``_level``: every row's thresholds count, the binade
+    that holds ``k + 1`` of them included."""
+    table = pool.level_table(k)
+    assert table is not None
+    thr = table["all"].long()
+    bits = torch.cat([thr, thr - 1, thr + 1]).clamp(1, 0x7F7FFFFF)
+    x = bits.to(torch.int32).view(torch.float32)
+    levels, _, _ = cpu_native.pool_levels(x, 1, table)
+    assert torch.equal(levels.long(), pool._level(k, x).long())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_demand_on_real_gradients_is_the_references(

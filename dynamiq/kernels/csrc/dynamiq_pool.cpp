@@ -47,7 +47,7 @@ constexpr int KT = 8;                      // thresholds per binade in the table
 // the level of positive finite magnitude bits a: l_min plus the thresholds <= a, from the
 // binade's row of the table (normal numbers) or a search of all of them (subnormals)
 struct Levels {
-  const uint32_t* row;  // [256 * KT] each binade's thresholds, padded with UINT32_MAX
+  const uint32_t* row;  // [256 * KT] each binade's thresholds, padded with 0x7FFFFFFF
   const int32_t* base;  // [256] l_min + the thresholds below the binade
   const uint32_t* all;  // [n_all] every threshold, ascending
   int64_t n_all;
