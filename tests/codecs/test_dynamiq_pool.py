@@ -12,6 +12,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from dynamiq import kernels
 from dynamiq.codecs import HopContext
@@ -524,3 +526,56 @@ def test_group_absmax_of_aligned_regions_is_each_regions_own(numel: int) -> None
         want = _group_absmax_per_region(codec, x, regions)
         assert torch.equal(got, want)
         assert top == float(want.max())
+
+
+@st.composite
+def pools(draw: st.DrawFn) -> pool.Pool:
+    """A prologue result of random regions (whole spans of 256 from each region's start, the
+    last maybe short) and agreed demand (whole groups' bits, at most 8 a value, some 0)."""
+    n_regions = draw(st.integers(1, 12))
+    sizes = draw(st.lists(st.integers(0, 6), min_size=n_regions, max_size=n_regions))
+    regions, first, lens, at = [], [0], [], 0
+    for k, spans in enumerate(sizes):
+        tail = draw(st.integers(1, 255)) if k == n_regions - 1 and draw(st.booleans()) else 0
+        size = 256 * spans + tail
+        regions.append((at, at + size))
+        lens += [256] * spans + ([tail] if tail else [])
+        first.append(len(lens))
+        at += size
+    demand = [16 * draw(st.integers(0, n // 2)) if draw(st.booleans()) else 0 for n in lens]
+    return pool.Pool(
+        demand=torch.tensor(demand, dtype=torch.int64),
+        lens=torch.tensor(lens, dtype=torch.int64),
+        numel=at,
+        regions=tuple(regions),
+        first=tuple(first),
+    )
+
+
+@given(
+    p=pools(),
+    bits=st.floats(0.5, 8.0),
+    balance=st.one_of(st.just(1.15), st.floats(1.0, 3.0)),
+    slack=st.one_of(st.sampled_from([0, 256]), st.integers(0, 5000)),
+)
+def test_span_budgets_keep_every_byte_within_the_caps(
+    p: pool.Pool, bits: float, balance: float, slack: int
+) -> None:
+    """Whatever the regions and demand: no span above a byte a value, no region above
+    ``max(floor(balance · m), floor(m) + slack)`` (and its values), never more than the
+    bucket's ``floor(bits · N) // 8`` bytes, and all of them where no cap binds (the floors
+    of the proportional shares lose nothing). Bytes a capped span turns away go only to
+    spans that demand bits, so with none below its cap they are not sent (docs/formats.md)."""
+    budgets = pool.span_budgets(p, bits, balance, slack)
+    assert bool((budgets >= 0).all()) and bool((budgets <= p.lens).all())
+    shares = [math.floor(bits * (b - a)) // 8 for a, b in p.regions]
+    mean = sum(shares) / len(shares)
+    cap = max(math.floor(mean * balance), math.floor(mean) + slack)
+    binds = bool((budgets == p.lens).any())
+    for (a, b), f, t in zip(p.regions, p.first[:-1], p.first[1:], strict=True):
+        got = int(budgets[f:t].sum())
+        assert got <= min(cap, b - a)
+        binds = binds or got == min(cap, b - a)
+    assert int(budgets.sum()) <= sum(shares)
+    if not binds:
+        assert int(budgets.sum()) == sum(shares)
