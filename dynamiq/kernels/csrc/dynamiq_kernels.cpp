@@ -196,74 +196,42 @@ bool widths_one_sg(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
   for (int i = n; i < 32 * MAX_W; i++) P[i] = INT16_MIN;
   for (int gi = 0; gi < n_g; gi++)
     for (int ww = 0; ww < MAX_W; ww++) P[gi * MAX_W + ww] = (int16_t)(j.q[ww] - 8 * e[gi]);
-  // bit 8 i + ww of word q: P[8 (8 q + i) + ww] >= t (ge) or == t (eq)
-  uint64_t ge[4], eq[4];
+  // ge(q, t): bit 8 i + ww is P[8 (8 q + i) + ww] >= t, for the groups 8 q .. 8 q + 7
 #if defined(DQ_VECTOR)
   const int nreg = (n + 31) / 32;  // 4 groups a register
   __m512i pv[8];
   for (int r = 0; r < nreg; r++) pv[r] = _mm512_load_si512((const void*)(P + 32 * r));
-  auto count = [&](int32_t t) {
+  auto ge = [&](int q, int32_t t) {
     const __m512i tv = _mm512_set1_epi16((int16_t)t);
-    int32_t c = 0;
-    for (int r = 0; r < nreg; r++) c += __builtin_popcount(_mm512_cmpge_epi16_mask(pv[r], tv));
-    return c;
-  };
-  auto masks = [&](int32_t t) {
-    const __m512i tv = _mm512_set1_epi16((int16_t)t), t1 = _mm512_set1_epi16((int16_t)(t - 1));
-    for (int q = 0; q < words; q++) {
-      uint64_t a = 0, b = 0;
-      for (int h = 0; h < 2 && 2 * q + h < nreg; h++) {
-        a |= (uint64_t)_mm512_cmpge_epi16_mask(pv[2 * q + h], tv) << (32 * h);
-        b |= (uint64_t)_mm512_cmpeq_epi16_mask(pv[2 * q + h], t1) << (32 * h);
-      }
-      ge[q] = a;
-      eq[q] = b;
-    }
+    uint64_t a = _mm512_cmpge_epi16_mask(pv[2 * q], tv);
+    if (2 * q + 1 < nreg) a |= (uint64_t)_mm512_cmpge_epi16_mask(pv[2 * q + 1], tv) << 32;
+    return a;
   };
 #elif defined(DQ_AVX2)
   const int nreg = (n + 15) / 16;  // 2 groups a register
   __m256i pv[16];
   for (int r = 0; r < nreg; r++) pv[r] = _mm256_load_si256((const __m256i*)(P + 16 * r));
-  auto count = [&](int32_t t) {  // P >= t: P > t - 1 (two mask bits a lane)
+  auto ge = [&](int q, int32_t t) {  // P > t - 1, two mask bits a lane, one kept
     const __m256i tv = _mm256_set1_epi16((int16_t)(t - 1));
-    int32_t c = 0;
-    for (int r = 0; r < nreg; r++)
-      c += __builtin_popcount((uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi16(pv[r], tv)));
-    return c >> 1;
-  };
-  auto masks = [&](int32_t t) {
-    const __m256i tv = _mm256_set1_epi16((int16_t)(t - 1));
-    for (int q = 0; q < words; q++) {
-      uint64_t a = 0, b = 0;
-      for (int h = 0; h < 4 && 4 * q + h < nreg; h++) {
-        const __m256i v = pv[4 * q + h];
-        const uint32_t mg = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi16(v, tv));
-        const uint32_t me = (uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi16(v, tv));
-        a |= (uint64_t)_pext_u32(mg, 0x55555555u) << (16 * h);
-        b |= (uint64_t)_pext_u32(me, 0x55555555u) << (16 * h);
-      }
-      ge[q] = a;
-      eq[q] = b;
+    uint64_t a = 0;
+    for (int h = 0; h < 4 && 4 * q + h < nreg; h++) {
+      const uint32_t m = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi16(pv[4 * q + h], tv));
+      a |= (uint64_t)_pext_u32(m, 0x55555555u) << (16 * h);
     }
+    return a;
   };
 #else
-  auto count = [&](int32_t t) {
-    int32_t c = 0;
-    for (int i = 0; i < n; i++) c += P[i] >= t ? 1 : 0;
-    return c;
-  };
-  auto masks = [&](int32_t t) {
-    for (int q = 0; q < words; q++) {
-      uint64_t a = 0, b = 0;
-      for (int i = 0; i < 64; i++) {
-        a |= (uint64_t)(P[64 * q + i] >= t) << i;
-        b |= (uint64_t)(P[64 * q + i] == t - 1) << i;
-      }
-      ge[q] = a;
-      eq[q] = b;
-    }
+  auto ge = [&](int q, int32_t t) {
+    uint64_t a = 0;
+    for (int i = 0; i < 64; i++) a |= (uint64_t)(P[64 * q + i] >= t) << i;
+    return a;
   };
 #endif
+  auto count = [&](int32_t t) {
+    int32_t c = 0;
+    for (int q = 0; q < words; q++) c += __builtin_popcountll(ge(q, t));
+    return c;
+  };
   const int64_t K = budget / j.g;
   int32_t lo = j.q_lo - 8 * E_MAX, hi = j.q_hi + 1;  // every priority is in [lo, hi)
   while (lo < hi) {
@@ -272,20 +240,20 @@ bool widths_one_sg(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
     hi = fits ? mid : hi;
     lo = fits ? lo : mid + 1;
   }
-  masks(lo);
-  // a group's width: the bits of its byte of ge (a popcount of each byte); it rises iff its
-  // byte of eq is not 0
+  // a group's width: the bits of its byte of ge (a popcount of each byte); it rises iff one
+  // of its priorities is tau - 1
   uint8_t* __restrict w = sc.w.data();
   int64_t used = 0;
   uint32_t rise = 0;
   for (int q = 0; q < words; q++) {
-    uint64_t x = ge[q];
+    uint64_t x = ge(q, lo);
+    const uint64_t at = ge(q, lo - 1) ^ x;  // the priorities equal to tau - 1
     used += __builtin_popcountll(x);
     x = x - ((x >> 1) & 0x5555555555555555ull);
     x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
     x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
     std::memcpy(w + 8 * q, &x, (size_t)std::min(8, n_g - 8 * q));
-    for (int i = 0; i < 8; i++) rise |= (uint32_t)(((eq[q] >> (8 * i)) & 0xffu) != 0) << (8 * q + i);
+    for (int i = 0; i < 8; i++) rise |= (uint32_t)(((at >> (8 * i)) & 0xffu) != 0) << (8 * q + i);
   }
   int64_t take = std::min<int64_t>(__builtin_popcount(rise), (budget - used * j.g) / j.g);
   for (; take > 0; take--) {
