@@ -165,10 +165,7 @@ def register_kernels(
 
     if not (isinstance(codec_cls, type) and issubclass(codec_cls, Codec)):
         raise TypeError(f"register_kernels takes a Codec subclass (got {codec_cls!r})")
-    if backend not in _REGISTRABLE:
-        raise ValueError(
-            f"backend must be one of {', '.join(map(repr, _REGISTRABLE))} (got {backend!r})"
-        )
+    _check_registrable(backend)
     given = {"encode": encode, "decode": decode, "reduce": reduce}
     for op, fn in given.items():
         if fn is not None and not callable(fn):
@@ -187,16 +184,20 @@ def register_kernels(
         _settings.changed()
 
 
+def _check_registrable(backend: str) -> None:
+    if backend not in _REGISTRABLE:
+        raise ValueError(
+            f"backend must be one of {', '.join(map(repr, _REGISTRABLE))} (got {backend!r})"
+        )
+
+
 def has_kernels(codec: Codec, op: str | None = None, *, backend: str = "triton") -> bool:
     """Whether ``codec`` has a kernel for ``op`` (any of them when ``op`` is None) on
     ``backend``: ``"triton"`` (registered or declared Triton kernels) or ``"cpu"``
     (registered CPU kernels, or the built-in native ones of its declared family)."""
     if op is not None and op not in _OPS:
         raise ValueError(f"op must be one of {', '.join(map(repr, _OPS))} (got {op!r})")
-    if backend not in _REGISTRABLE:
-        raise ValueError(
-            f"backend must be one of {', '.join(map(repr, _REGISTRABLE))} (got {backend!r})"
-        )
+    _check_registrable(backend)
     ks = _PLUGINS.get((type(codec), backend))
     if ks is not None:
         return any(getattr(ks, o) is not None for o in ([op] if op else _OPS))
@@ -447,17 +448,13 @@ def _resolve(codec: Codec, op: str, device: str, backend: str) -> _Plan:
     if backend == "auto" and _auto_triton(device) and has_kernels(codec, op):
         fn = _kernel(codec, op, device)
         return _Plan(codec, op, _scoped(fn) if device == "cpu" else fn, "triton", generation)
-    if backend == "auto" and cpu_set is not None:  # every size, while CPU kernels are on
-        on = device == "cpu" and _settings.cpu_kernels and not _settings.cpu_compile
-        return _Plan(codec, op, getattr(cpu_set, op) if on else None, "cpu", generation)
+    # "auto" on CPU tensors while CPU kernels are on: registered ones at every size, the
+    # native ones from MIN_NUMEL
+    cpu_on = device == "cpu" and _settings.cpu_kernels and not _settings.cpu_compile
+    if backend == "auto" and cpu_set is not None:
+        return _Plan(codec, op, getattr(cpu_set, op) if cpu_on else None, "cpu", generation)
     plan = _Plan(codec, op, None, "cpu", generation)
-    if (
-        backend == "auto"
-        and device == "cpu"
-        and _settings.cpu_kernels
-        and not _settings.cpu_compile
-        and cpu_native._family(codec) is not None
-    ):
+    if backend == "auto" and cpu_on and cpu_native._family(codec) is not None:
         plan.min_numel, plan.pending = cpu_native.MIN_NUMEL, True
     return plan
 
