@@ -84,6 +84,15 @@ def _paths() -> tuple[Path, Path]:
     return root / f"{stem}.f32", root / f"{stem}.json"
 
 
+def ddp_order(params: list[tuple[str, torch.nn.Parameter]]) -> np.ndarray:
+    """Indices into the concatenated gradients of ``params`` (registration order) that put
+    them in DDP's bucket order: parameters reversed, each one's gradient contiguous."""
+    offsets, pos = {}, 0
+    for name, p in params:
+        offsets[name], pos = (pos, pos + p.numel()), pos + p.numel()
+    return np.concatenate([np.arange(*offsets[name]) for name, _ in reversed(params)])
+
+
 def build_buffers(progress: bool = True) -> dict[str, Any]:
     """Write the ``[WORKERS, BUCKET]`` buffers (module docstring) and their metadata (last)."""
     from dynamiq.data.gradients import _trained_model, worker_gradient
@@ -97,11 +106,7 @@ def build_buffers(progress: bool = True) -> dict[str, Any]:
     per_step = sum(p.numel() for _, p in params)
     if 2 * per_step < BUCKET:
         raise RuntimeError(f"two steps of {per_step} values do not fill {BUCKET}")
-    # DDP's order: parameters reversed, each one's gradient contiguous
-    offsets, pos = {}, 0
-    for name, p in params:
-        offsets[name], pos = (pos, pos + p.numel()), pos + p.numel()
-    order = np.concatenate([np.arange(*offsets[name]) for name, _ in reversed(params)])
+    order = ddp_order(params)
     tmp = raw.with_suffix(".tmp")
     mm = np.memmap(tmp, dtype=np.float32, mode="w+", shape=(WORKERS, BUCKET))
     t0 = time.perf_counter()
