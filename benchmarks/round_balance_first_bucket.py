@@ -14,9 +14,12 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks.*
 
 import benchmarks.round_balance as rbal
 from dynamiq.data.gradients import _trained_model, default_cache_dir, worker_gradient

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: benchmarks.*
+
 from benchmarks.scale import gradients
 from dynamiq.codecs import get_codec
 from dynamiq.collectives import get_schedule
