@@ -890,22 +890,11 @@ void blk_chunk_spec(const BlkJob& j, int64_t n, int64_t b0, int64_t b1, int64_t 
                    : len == 32 ? blk_values_block<ESPEC, SSPEC, 32>(j, b, len, in_scales, x, v, c)
                                : blk_values_block<ESPEC, SSPEC, 0>(j, b, len, in_scales, x, v, c);
   }
-  if (SSPEC >= 0) {  // pass 2, blk_scale_block with the job's fields in locals (vectorizes)
-    const float sdiv = j.scale_div, slim = j.s_limit, gout = j.g_out;
-    const uint32_t snan = j.s_nan;
-    const MxFormat sf = j.s;
-    for (int64_t b = b0; b < b1; b++) {
-      const uint32_t m = amax[b - b0];
-      const bool finite = m < 0x7F800000u;
-      const float t = std::min(u2f(finite ? m : 0u) / sdiv, slim);
-      const uint32_t sc = finite ? mx_encode_element<SSPEC < 0 ? 0 : SSPEC>(t, 1.0f, sf) : snan;
-      out_scales[b] = (uint8_t)sc;
-      const float S = mx_decode_element<SSPEC < 0 ? 0 : SSPEC>(sc, sf) * gout;
-      scale[b - b0] = finite && S > 0.0f ? S : 0.0f;
-    }
-  } else {
-    for (int64_t b = b0; b < b1; b++)  // pass 2
-      scale[b - b0] = blk_scale_block<SSPEC>(j, amax[b - b0], out_scales + b);
+  {  // pass 2, on a copy of the job: the scale bytes' stores cannot alias it, so GCC keeps
+     // its fields in registers and vectorizes the loop
+    const BlkJob jl = j;
+    for (int64_t b = b0; b < b1; b++)
+      scale[b - b0] = blk_scale_block<SSPEC>(jl, amax[b - b0], out_scales + b);
   }
   for (int64_t b = b0; b < b1; b++) {  // pass 3
     const int64_t s0 = b * bs - e0, len = std::min(bs, n - b * bs);
