@@ -17,12 +17,13 @@ derives the same budget for every span of the collective buffer, in integer arit
 * **Exchange**: one exact all-reduce (element-wise max) of those bytes: the same bits/value
   (``8 / span``) at any world size. The agreed demand of a span is ``u`` times its code (at
   most ``8·len``).
-* **Budgets** (:func:`span_budgets`): span ``b`` of agreed demand ``M_b`` gets
-  ``min(floor(M_b·B / ΣM / 8), len_b)`` bytes of ``B = 8·floor(floor(bits·N) / 8)`` bits, and
-  the bytes left over go one each, in span order, to the spans below ``len_b`` bytes (8 bits a
-  value). Inside a span the groups then share its budget by the span's own water-filling
-  (dynamiq_codec.py), which needs nothing from other spans, so results do not depend on how
-  the engine cuts the buffer.
+* **Budgets** (:func:`span_budgets`): the buffer's ``floor(bits·N) // 8`` bytes are shared
+  among the spans by :func:`_distribute`: each span of agreed demand ``M_b > 0`` gets its
+  demand plus the same bits a value (a water level; at most ``len_b`` bytes, 8 bits a value),
+  or, where the demand exceeds the bytes, a share in proportion to ``M_b``; then per chunk
+  the same, within the balance caps. Inside a span the groups then share its budget by the
+  span's own water-filling (dynamiq_codec.py), which needs nothing from other spans, so
+  results do not depend on how the engine cuts the buffer.
 
 **Where it runs.** The functions here are the reference. On CPU buffers of at least
 ``_NATIVE_MIN`` values whose regions start on whole groups (every engine cut) the native
@@ -564,29 +565,30 @@ def _segment_sum(values: torch.Tensor, seg: torch.Tensor, n_seg: int) -> torch.T
     return torch.zeros(n_seg, dtype=values.dtype).index_add_(0, seg, values)
 
 
-def _spread(
-    out: torch.Tensor,
-    weight: torch.Tensor,
-    lens: torch.Tensor,
-    left: torch.Tensor,
-    seg: torch.Tensor,
+#: the water level's steps (:func:`_distribute`): 1/LEVEL_STEPS bit a value
+LEVEL_STEPS = 256
+
+
+def _level_bytes(
+    demand: torch.Tensor, lens: torch.Tensor, live: torch.Tensor, delta: torch.Tensor
 ) -> torch.Tensor:
-    """``out`` plus each region's ``left`` bytes in proportion to ``weight`` among the spans
-    still below their cap ``lens`` (floored; never past the cap)."""
-    w = torch.where(out < lens, weight, 0)
-    tot = _segment_sum(w, seg, left.numel())
-    share = torch.where(tot[seg] > 0, w * left[seg] // tot[seg].clamp(min=1), 0)
-    return torch.minimum(out + share, lens)
+    """Each span's bytes at water level ``delta`` (1/LEVEL_STEPS bits a value, per span):
+    ``min(len, max(0, LEVEL_STEPS·demand + delta·len) // (8·LEVEL_STEPS))`` for a live span,
+    0 for the others."""
+    num = (LEVEL_STEPS * demand + delta * lens).clamp(min=0)
+    return torch.where(live, torch.minimum(num // (8 * LEVEL_STEPS), lens), 0)
 
 
 def _distribute(
     demand: torch.Tensor, lens: torch.Tensor, first: list[int], total: torch.Tensor
 ) -> torch.Tensor:
     """Bytes of every span: each segment's ``total`` shared among its spans (segment ``s``:
-    the spans ``first[s]:first[s + 1]``) in proportion to ``demand``, at most ``lens`` (a
-    byte a value) each; a segment demanding nothing shares evenly. By the native CPU kernel
-    where it runs, for 256 spans or more (``csrc/dynamiq_pool.cpp``: the same integers),
-    else :func:`_distribute_reference`."""
+    the spans ``first[s]:first[s + 1]``), at most ``lens`` (a byte a value) each. A segment
+    whose total holds its demand raises a water level: every live span (demand above 0;
+    every span of a segment demanding nothing) gets its demand plus the same bits a value; a
+    segment demanding more than its total shares it in proportion to the demand
+    (docs/formats.md, "dynamiq"). By the native CPU kernel where it runs, for 256 spans or
+    more (``csrc/dynamiq_pool.cpp``: the same integers), else :func:`_distribute_reference`."""
     from dynamiq.kernels import cpu_native  # (the kernels import the codecs)
 
     native = lens.numel() >= _NATIVE_MIN // 256 and cpu_native.cpu_kernels_enabled()
@@ -599,28 +601,36 @@ def _distribute(
 def _distribute_reference(
     demand: torch.Tensor, lens: torch.Tensor, seg: torch.Tensor, total: torch.Tensor
 ) -> torch.Tensor:
-    """:func:`_distribute` in PyTorch (``seg``: each span's segment, ascending)."""
+    """:func:`_distribute` in PyTorch (``seg``: each span's segment, ascending). A segment
+    of total ``T`` bytes and demand ``W`` bits: for ``W <= 8·T`` the level is the largest
+    ``delta`` in ``[-8, 8]·LEVEL_STEPS`` whose bytes (:func:`_level_bytes`) fit ``T`` (at the
+    lowest every span gets 0: a demand is at most 8 bits a value); for ``W > 8·T`` a span of
+    demand ``d`` gets ``d·T // W`` bytes. The bytes left then go one each, in span order,
+    round after round, to the live spans below their cap; what none has room for is not
+    sent."""
     n_seg = total.numel()
-    seg_len = _segment_sum(lens, seg, n_seg)
     want = _segment_sum(demand, seg, n_seg)
-    uni = torch.where(want > 0, 0, 8 * total)  # a segment demanding nothing: all even
-    even = lens * uni[seg] // seg_len[seg].clamp(min=1)
-    prop = demand * (8 * total - uni)[seg] // want[seg].clamp(min=1)
-    out = torch.minimum((even + prop) // 8, lens)
-    weight = torch.where(want[seg] > 0, demand, lens)
-    for _ in range(32):  # what the caps turned away, to the spans below theirs
-        left = total - _segment_sum(out, seg, n_seg)
-        more = _spread(out, weight, lens, left, seg)
-        if torch.equal(more, out):
-            break
-        out = more
-    # the last bytes one each, in span order, to the spans below their cap
+    live = (demand > 0) | (want == 0)[seg]
+    step = 8 * LEVEL_STEPS
+    lo = torch.full((n_seg,), -step, dtype=torch.int64)  # fits
+    hi = torch.full((n_seg,), step + 1, dtype=torch.int64)  # does not fit (or past the top)
+    while bool((hi - lo > 1).any()):
+        mid = (lo + hi) // 2
+        fits = _segment_sum(_level_bytes(demand, lens, live, mid[seg]), seg, n_seg) <= total
+        lo, hi = torch.where(fits, mid, lo), torch.where(fits, hi, mid)
+    over = (want > 8 * total)[seg]
+    prop = demand * total[seg] // want[seg].clamp(min=1)  # (< demand / 8 <= lens)
+    out = torch.where(over, prop, _level_bytes(demand, lens, live, lo[seg]))
     left = total - _segment_sum(out, seg, n_seg)
-    room = (out < lens).to(torch.int64)
-    cum = torch.cumsum(room, 0)
     starts = torch.searchsorted(seg, torch.arange(n_seg))
-    before = torch.cat([torch.zeros(1, dtype=torch.int64), cum])[starts]
-    return out + (room.bool() & (cum - before[seg] <= left[seg])).to(torch.int64)
+    while True:  # one byte each, in span order, to the live spans below their cap
+        room = (live & (out < lens) & (left[seg] > 0)).to(torch.int64)
+        if not bool(room.any()):
+            return out
+        cum = torch.cumsum(room, 0)
+        before = torch.cat([torch.zeros(1, dtype=torch.int64), cum])[starts]
+        give = (room.bool() & (cum - before[seg] <= left[seg])).to(torch.int64)
+        out, left = out + give, left - _segment_sum(give, seg, n_seg)
 
 
 def _region_totals(pooled: torch.Tensor, uniform: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
@@ -643,10 +653,10 @@ def _region_totals(pooled: torch.Tensor, uniform: torch.Tensor, cap: torch.Tenso
 
 def span_budgets(pool: Pool, bits: float, balance: float, slack: int) -> torch.Tensor:
     """Bytes of every span's container (int64, CPU) for ``bits`` bits/value (memoized in
-    ``pool``): the buffer's ``floor(bits·N) // 8`` bytes shared among its spans in proportion
-    to their demand (at most a byte a value), each region holding at most ``balance`` times
-    the mean ``m`` of the regions' uniform shares ``floor(bits·len) // 8``, or ``floor(m) +
-    slack`` bytes where that is more (the excess goes to the others)."""
+    ``pool``): the buffer's ``floor(bits·N) // 8`` bytes shared among its spans by their
+    demand (:func:`_distribute`; at most a byte a value), each region holding at most
+    ``balance`` times the mean ``m`` of the regions' uniform shares ``floor(bits·len) // 8``,
+    or ``floor(m) + slack`` bytes where that is more (the excess goes to the others)."""
     key = (bits, balance, slack)
     got = pool.fixed if pool.fixed is not None else pool.budgets.get(key)
     if got is not None:

@@ -75,7 +75,7 @@ EXTRA_FIXTURES: dict[str, dict[str, Any]] = {
         "prologue": {"ranks": 3},
         "input_block": 1024,
     },
-    # the pooled default before 2026-12-03's `balance_slack` (chunks capped at `balance` only)
+    # the pooled default without `balance_slack` (chunks capped at `balance` only)
     "dynamiq_pooled_strict": {
         "codec": {"id": "dynamiq", "balance_slack": 0},
         "ctx": {"seed": 3, "rank": 0},

@@ -427,6 +427,34 @@ def test_recut_is_the_best_cut_within_the_value_slack(
     assert all(-(-(b - a) // align) <= most for a, b in got)
 
 
+@pytest.mark.parametrize(
+    ("lens", "demand", "total", "want"),
+    [
+        # a water level: (d + delta) // 8 bytes for d = 512, 256 bits; delta = 423 is the
+        # largest with 116 + 84 <= 200; the span demanding nothing gets nothing
+        ([256, 256, 256], [512, 256, 0], 200, [116, 84, 0]),
+        # demand beyond 8 T bits: d T // W = 66, 33, 0 (99 bytes), the last byte to span 0
+        ([256, 256, 256], [2048, 1024, 16], 100, [67, 33, 0]),
+        # every live span full (a byte a value): the 34 bytes left are not sent
+        ([256, 10], [2048, 80], 300, [256, 10]),
+        # no demand: every span is live; delta = 343 gives 42, 42, 16 (delta = 344: 102)
+        ([256, 256, 100], [0, 0, 0], 100, [42, 42, 16]),
+    ],
+)
+def test_sharing_by_hand(lens, demand, total, want) -> None:
+    """docs/formats.md's sharing rule on cases worked out by hand, the reference and the
+    native kernel alike."""
+    lens_t, demand_t = torch.tensor(lens), torch.tensor(demand)
+    seg = torch.zeros(len(lens), dtype=torch.int64)
+    got = pool._distribute_reference(demand_t, lens_t, seg, torch.tensor([total]))
+    assert got.tolist() == want
+    from dynamiq.kernels import cpu_native
+
+    if cpu_native.available():
+        native = cpu_native.pool_distribute(demand_t, lens_t, [0, len(lens)], torch.tensor([total]))
+        assert native.tolist() == want
+
+
 def test_small_chunks_may_exceed_balance_by_the_slack() -> None:
     """Chunks of two spans, all the signal in the first: ``balance`` alone holds it to 1.15
     times the mean chunk's share; ``balance_slack`` lets it take that many bytes more (and
@@ -564,7 +592,7 @@ def test_span_budgets_keep_every_byte_within_the_caps(
     """Whatever the regions and demand: no span above a byte a value, no region above
     ``max(floor(balance · m), floor(m) + slack)`` (and its values), never more than the
     bucket's ``floor(bits · N) // 8`` bytes, and all of them where no cap binds (the floors
-    of the proportional shares lose nothing). Bytes a capped span turns away go only to
+    of the shares lose nothing). Bytes a capped span turns away go only to
     spans that demand bits, so with none below its cap they are not sent (docs/formats.md)."""
     budgets = pool.span_budgets(p, bits, balance, slack)
     assert bool((budgets >= 0).all()) and bool((budgets <= p.lens).all())

@@ -125,58 +125,48 @@ uint32_t levels_kind(const void* x, int64_t g, int64_t n, int64_t g0, int64_t g1
   return levels_of<0, KIND>(x, g, n, g0, g1, lv, m, out, hist);
 }
 
-// floor(a / b) for 0 <= a, 0 < b, exact: the double quotient corrected (integer division is
-// the slow part of dq_dyn_pool_distribute)
-inline int64_t floordiv(int64_t a, int64_t b) {
-  int64_t q = (int64_t)((double)a / (double)b);
-  while (q > 0 && q * b > a) q--;
-  while ((q + 1) * b <= a) q++;
-  return q;
-}
+// _dynamiq_pool.LEVEL_STEPS: the water level's steps (1/LEVEL_STEPS bit a value)
+constexpr int64_t LEVEL_STEPS = 256;
 
-// one segment of dq_dyn_pool_distribute: spans [i0, i1), total bytes. The reference's rounds
-// act on each segment alone and leave a segment unchanged once a round changes nothing in it,
-// so iterating each segment to its own fixed point (at most 32 rounds) gives its result.
+// one segment of dq_dyn_pool_distribute: spans [i0, i1), total bytes (the reference's
+// _distribute_reference, one segment at a time)
 void distribute_segment(const int64_t* demand, const int64_t* lens, int64_t i0, int64_t i1,
                         int64_t total, int64_t* out) {
-  int64_t seg_len = 0, want = 0;
-  for (int64_t i = i0; i < i1; i++) {
-    seg_len += lens[i];
-    want += demand[i];
-  }
-  const int64_t uni = want > 0 ? 0 : 8 * total;  // a segment demanding nothing: all even
-  for (int64_t i = i0; i < i1; i++) {
-    const int64_t even = uni ? floordiv(lens[i] * uni, std::max<int64_t>(seg_len, 1)) : 0;
-    const int64_t prop = floordiv(demand[i] * (8 * total - uni), std::max<int64_t>(want, 1));
-    out[i] = std::min((even + prop) / 8, lens[i]);
-  }
-  const int64_t* weight = want > 0 ? demand : lens;
-  for (int round = 0; round < 32; round++) {  // _spread: what the caps turned away
-    int64_t left = total, tot = 0;
-    for (int64_t i = i0; i < i1; i++) {
-      left -= out[i];
-      tot += out[i] < lens[i] ? weight[i] : 0;
+  int64_t want = 0;
+  for (int64_t i = i0; i < i1; i++) want += demand[i];
+  auto live = [&](int64_t i) { return want == 0 || demand[i] > 0; };
+  if (want > 8 * total) {  // the demand does not fit: shares in proportion to it
+    for (int64_t i = i0; i < i1; i++) out[i] = demand[i] * total / want;
+  } else {  // a water level
+    auto bytes = [&](int64_t i, int64_t delta) -> int64_t {  // _level_bytes
+      if (!live(i)) return 0;
+      const int64_t num = LEVEL_STEPS * demand[i] + delta * lens[i];
+      return num <= 0 ? 0 : std::min(num / (8 * LEVEL_STEPS), lens[i]);
+    };
+    auto fits = [&](int64_t delta) {
+      int64_t sum = 0;
+      for (int64_t i = i0; i < i1; i++) sum += bytes(i, delta);
+      return sum <= total;
+    };
+    int64_t lo = -8 * LEVEL_STEPS, hi = 8 * LEVEL_STEPS + 1;  // lo fits, hi does not
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;  // = floor((lo + hi) / 2), as the reference
+      if (fits(mid)) lo = mid;
+      else hi = mid;
     }
-    if (left <= 0 || tot <= 0) break;  // every share 0: the round changes nothing
-    bool changed = false;
-    for (int64_t i = i0; i < i1; i++) {
-      if (out[i] >= lens[i]) continue;
-      const int64_t prod = weight[i] * left;  // (>= 0: / floors)
-      if (prod < tot) continue;
-      const int64_t more = std::min(out[i] + floordiv(prod, tot), lens[i]);
-      changed = changed || more != out[i];
-      out[i] = more;
-    }
-    if (!changed) break;
+    for (int64_t i = i0; i < i1; i++) out[i] = bytes(i, lo);
   }
-  // the last bytes one each, in span order, to the spans below their cap
   int64_t left = total;
   for (int64_t i = i0; i < i1; i++) left -= out[i];
-  int64_t given = 0;
-  for (int64_t i = i0; i < i1; i++) {
-    if (out[i] >= lens[i]) continue;
-    given++;
-    out[i] += given <= left ? 1 : 0;
+  while (left > 0) {  // one byte each, in span order, to the live spans below their cap
+    bool gave = false;
+    for (int64_t i = i0; i < i1 && left > 0; i++) {
+      if (!live(i) || out[i] >= lens[i]) continue;
+      out[i]++;
+      left--;
+      gave = true;
+    }
+    if (!gave) break;
   }
 }
 
@@ -255,10 +245,10 @@ int dq_dyn_pool_demand(const int16_t* levels, int64_t n, int64_t g, const int64_
 }
 
 // _dynamiq_pool._distribute: the bytes of each of the n spans (out) when each segment's
-// total (segment s: spans [first[s], first[s + 1])) is shared among its spans in proportion
-// to their demand, at most lens[i] each; a segment demanding nothing shares evenly. Integer
-// arithmetic in the reference's order (every operand >= 0: / is its floor division).
-// Never fails.
+// total (segment s: spans [first[s], first[s + 1])) is shared among its spans by a water
+// level (each live span its demand plus the same bits a value), or in proportion to the
+// demand where it exceeds the total, at most lens[i] each.
+// Integer arithmetic (every division's operands >= 0). Never fails.
 int dq_dyn_pool_distribute(const int64_t* demand, const int64_t* lens, int64_t n,
                            const int64_t* first, const int64_t* total, int64_t n_seg,
                            int64_t* out) {
