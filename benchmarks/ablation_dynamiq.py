@@ -5,8 +5,9 @@ Per family, the eval split's first 8 workers and the first ``--values`` values o
 bits/value counts everything sent (the prologue included). Variants: the default, then one
 knob changed at a time: how the budget is pooled (the span design, spans of 256 pooled alone,
 the bucket pooled with no balance cap, every chunk pooled alone, each rank's demand measured
-at the codec's own bits instead of 2 bits below), the variable bit-width, the level tables,
-the group scales, the rounding and the hop slope.
+at the codec's own bits instead of 2 bits below, the bytes shared in proportion to the demand
+instead of by a water level), the variable bit-width, the level tables, the group scales, the
+rounding and the hop slope.
 
     python benchmarks/ablation_dynamiq.py --family lm,mlm,digits --out docs/data/ablation.json
 """
@@ -19,6 +20,8 @@ import json
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from dynamiq.codecs import _dynamiq_pool
 from dynamiq.collectives import simulate_allreduce
@@ -39,6 +42,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "each chunk alone (balance=1, balance_slack=0)": {"balance": 1.0, "balance_slack": 0},
     "cap by balance alone (balance_slack=0)": {"balance_slack": 0},
     "demand at the codec's bits (DEMAND_OFFSET=0)": {"_demand_offset": 0.0},
+    "bytes in proportion to the demand (the sharing before 12-03)": {"_proportional": True},
     "no variable bit-width (pooled=False)": {"pooled": False},
     "uniform levels (levels=uniform)": {"levels": "uniform"},
     "power-of-two group scales (scale_steps=1)": {"scale_steps": 1},
@@ -60,6 +64,51 @@ def demand_offset(value: float | None) -> Iterator[None]:
         _dynamiq_pool.DEMAND_OFFSET = saved
 
 
+def proportional_share(
+    demand: torch.Tensor, lens: torch.Tensor, first: list[int], total: torch.Tensor
+) -> torch.Tensor:
+    """The sharing before 2026-12-03 (commit c402a88's ``_distribute``): each segment's bytes
+    in proportion to the demand (evenly in a segment demanding nothing), at most a byte a
+    value; what the caps turn away shared again in proportion among the spans below theirs
+    (up to 32 rounds), then one byte each, in span order, to the spans below their cap."""
+    seg = torch.repeat_interleave(torch.arange(len(first) - 1), torch.tensor(first).diff())
+    n_seg = total.numel()
+
+    def per_seg(v: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n_seg, dtype=v.dtype).index_add_(0, seg, v)
+
+    want = per_seg(demand)
+    weight = torch.where(want[seg] > 0, demand, lens)
+    out = torch.minimum(weight * (8 * total)[seg] // per_seg(weight)[seg].clamp(min=1) // 8, lens)
+    for _ in range(32):
+        left = total - per_seg(out)
+        w = torch.where(out < lens, weight, 0)
+        tot = per_seg(w)
+        more = torch.minimum(out + w * left[seg] // tot[seg].clamp(min=1), lens)
+        if torch.equal(more, out):
+            break
+        out = more
+    left = total - per_seg(out)
+    room = (out < lens).to(torch.int64)
+    cum = torch.cumsum(room, 0)
+    before = torch.cat([torch.zeros(1, dtype=torch.int64), cum])[
+        torch.searchsorted(seg, torch.arange(n_seg))
+    ]
+    return out + (room.bool() & (cum - before[seg] <= left[seg])).to(torch.int64)
+
+
+@contextlib.contextmanager
+def sharing(proportional: bool) -> Iterator[None]:
+    """Share the bucket's bytes by :func:`proportional_share` for one variant."""
+    saved = _dynamiq_pool._distribute
+    if proportional:
+        _dynamiq_pool._distribute = proportional_share
+    try:
+        yield
+    finally:
+        _dynamiq_pool._distribute = saved
+
+
 def run(families: list[str], values: int) -> list[dict[str, Any]]:
     rows = []
     for fam in families:
@@ -68,9 +117,10 @@ def run(families: list[str], values: int) -> list[dict[str, Any]]:
         for name, knobs in VARIANTS.items():
             knobs = dict(knobs)
             offset = knobs.pop("_demand_offset", None)
+            proportional = knobs.pop("_proportional", False)
             codec = {**BASE, **knobs}
             row: dict[str, Any] = {"family": fam, "values": g.shape[1], "variant": name}
-            with demand_offset(offset):
+            with demand_offset(offset), sharing(proportional):
                 for schedule in ("ring", "butterfly"):
                     res = simulate_allreduce(
                         list(g), codec, schedule, return_bound=False, sub_chunk=1 << 20
