@@ -455,6 +455,35 @@ def test_sharing_by_hand(lens, demand, total, want) -> None:
         assert native.tolist() == want
 
 
+@given(
+    demand=st.lists(st.integers(0, 128).map(lambda k: 16 * k), min_size=1, max_size=40),
+    fill=st.floats(0.0, 1.2),
+)
+def test_sharing_is_a_water_level(demand: list[int], fill: float) -> None:
+    """Spans of 256 values whose total holds their demand: no more than the total; every
+    live span strictly between 0 and its cap is its demand plus the same bits (within the
+    floor and one leftover byte: 8 bits a span); no live span below its demand (the level
+    is at least 0 where the demand fits), a span of no demand gets nothing (unless none has
+    any); the bytes left unsent only when every live span is full."""
+    lens = torch.full((len(demand),), 256, dtype=torch.int64)
+    d = torch.tensor(demand, dtype=torch.int64)
+    room = int(lens.sum()) if not any(demand) else 256 * sum(1 for v in demand if v)
+    lo_total = -(-sum(demand) // 8)  # the demand fits
+    total = max(lo_total, int(lo_total + fill * (room - lo_total)))
+    seg = torch.zeros(len(demand), dtype=torch.int64)
+    out = pool._distribute_reference(d, lens, seg, torch.tensor([total]))
+    assert int(out.sum()) <= total and bool((out >= 0).all()) and bool((out <= lens).all())
+    live = d > 0 if any(demand) else torch.ones_like(d, dtype=torch.bool)
+    assert int(out[~live].sum()) == 0
+    surplus = 8 * out - d  # the bits a live span got above its demand
+    inner = live & (out > 0) & (out < lens)
+    if int(inner.sum()) >= 2:
+        assert int(surplus[inner].max() - surplus[inner].min()) <= 15
+    assert bool((surplus[live] >= 0).all())
+    if int(out.sum()) < total:
+        assert bool((out[live] == lens[live]).all())
+
+
 def test_small_chunks_may_exceed_balance_by_the_slack() -> None:
     """Chunks of two spans, all the signal in the first: ``balance`` alone holds it to 1.15
     times the mean chunk's share; ``balance_slack`` lets it take that many bytes more (and
