@@ -75,7 +75,7 @@ def proportional_share(
     n_seg = total.numel()
 
     def per_seg(v: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(n_seg, dtype=v.dtype).index_add_(0, seg, v)
+        return _dynamiq_pool._segment_sum(v, seg, n_seg)
 
     want = per_seg(demand)
     weight = torch.where(want[seg] > 0, demand, lens)
