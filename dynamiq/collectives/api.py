@@ -22,6 +22,7 @@ import torch
 from dynamiq.codecs import Codec, get_codec
 from dynamiq.codecs.base import FLOAT_DTYPES
 
+from . import traced
 from .engine import EngineResult, RunConfig, ScheduleRun
 from .options import (
     DEFAULT_THRESHOLD,
@@ -325,7 +326,6 @@ def allreduce(
     residual: torch.Tensor | None = ...,
     **keywords: Unpack[OptionKeywords],
 ) -> AllReduceStats | AllReduceHandle[AllReduceStats]: ...
-@_eager
 def allreduce(
     tensor: torch.Tensor,
     codec: Any = None,
@@ -352,9 +352,14 @@ def allreduce(
     ``residual`` (fp32, same number of elements) accumulates what this rank's encodings lost
     (for error feedback; see :mod:`dynamiq.ddp`). An fp32 ``tensor`` is the engine's working
     buffer: if the collective fails its contents are undefined (as with torch.distributed).
-    ``transport`` replaces the torch.distributed one (``group`` is then unused).
+    ``transport`` replaces the torch.distributed one (``group`` is then unused). Inside
+    ``torch.compile`` the call is one op of the graph and returns ``None``
+    (:mod:`dynamiq.collectives.traced`).
     """
     _check_tensor(tensor)
+    if torch.compiler.is_compiling():
+        config = (codec, schedule, group, options, async_op, transport, keywords)
+        return traced.allreduce(tensor, residual, *config)  # type: ignore[func-returns-value, return-value]
     opts = merge_options("allreduce", options, codec=codec, schedule=schedule, **keywords)
     tr, owned = _transport(transport, group)
     c, sched = _resolve(opts, tr.world_size, tensor.numel(), DEFAULT_THRESHOLD)

@@ -334,6 +334,18 @@ def _group_sequencer(dist: Any, group: Any) -> Sequencer:
         return _GROUPS[key]
 
 
+def initialized_dist() -> Any:
+    """``torch.distributed``, once a process group is initialized (else a RuntimeError)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized: call init_process_group first "
+            "(or use simulate_allreduce for an in-process run)"
+        )
+    return dist
+
+
 class TorchDistTransport:
     """Point-to-point over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
@@ -346,13 +358,7 @@ class TorchDistTransport:
     """
 
     def __init__(self, group: Any = None):
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialized: call init_process_group first "
-                "(or use simulate_allreduce for an in-process run)"
-            )
+        dist = initialized_dist()
         self.dist = dist
         self.group = group
         self.sequencer = _group_sequencer(dist, group)

@@ -1,7 +1,12 @@
-"""A collective inside ``torch.compile``: the engine is host-driven (byte buffers, ``.item()``,
-clocks, threads), so the public collectives are a graph break: dynamo compiles the code around
-them and runs them eagerly, with dynamo off inside (``dynamiq.collectives.api._eager``); the
-result is the eager one, bit for bit (docs/design.md, "Kernels")."""
+"""Collectives inside ``torch.compile``.
+
+:func:`allreduce` is one op of the graph (``dynamiq::allreduce_``, :mod:`dynamiq.collectives.
+traced`), so a step that calls it compiles whole (``fullgraph=True``) and gives the eager
+result, bit for bit, on every rank. The other collectives are host-driven (byte buffers,
+``.item()``, clocks, threads) and return what a graph cannot (shards, per-rank results), so they
+are a graph break: dynamo compiles the code around them and runs them eagerly, with dynamo off
+inside (``dynamiq.collectives.api._eager``); the result is the eager one, bit for bit
+(docs/design.md, "Kernels")."""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ import pytest
 import torch
 
 import dynamiq.kernels  # noqa: F401 (registers the ops)
-from dynamiq.collectives import simulate_allreduce
+from dynamiq.collectives import allreduce, simulate_allreduce
+from dynamiq.testing.distributed import run_gloo
 
 OPS = {
     torch.ops.dynamiq.encode.default,
@@ -47,3 +53,88 @@ def test_a_compiled_function_running_the_collective_gives_the_eager_sum(codec: s
     with pytest.raises(Exception, match="host-driven"):  # no whole graph: a graph break
         torch._dynamo.reset()
         torch.compile(step, backend=backend, fullgraph=True)(*xs)
+
+
+# -- allreduce: one op of the graph -------------------------------------------------------------
+
+ALLREDUCE = torch.ops.dynamiq.allreduce_.default
+
+
+def _step(x: torch.Tensor, residual: torch.Tensor, codec: str, schedule: str) -> torch.Tensor:
+    y = x * 2.0  # compiled
+    allreduce(y, codec, schedule, seed=5, step=3, residual=residual, threshold=0)
+    return y + 1.0  # compiled
+
+
+def _compiled_job(rank: int, world: int, backend: str) -> list[Any]:
+    from torch._dynamo.backends.registry import lookup_backend
+
+    out = []
+    for codec, schedule in (("int8", "ring"), ("dynamiq", "butterfly"), ("mxfp8_e4m3", "ring")):
+        g = torch.Generator().manual_seed(100 * rank + len(out))
+        x = torch.randn(5000, generator=g) * (1 + rank)
+        r_eager, r_compiled = torch.full((5000,), 0.25), torch.full((5000,), 0.25)
+        want = _step(x, r_eager, codec, schedule)
+        targets: set[Any] = set()
+
+        def record(gm: torch.fx.GraphModule, inputs: Any, targets: set[Any] = targets) -> Any:
+            targets.update(node.target for node in gm.graph.nodes)
+            return lookup_backend(backend)(gm, inputs)
+
+        torch._dynamo.reset()
+        fn = torch.compile(_step, backend=record, fullgraph=True)
+        got = fn(x, r_compiled, codec, schedule)
+        out.append(
+            {
+                "codec": codec,
+                "same_sum": torch.equal(want, got),
+                "same_residual": torch.equal(r_eager, r_compiled),
+                "residual_moved": not torch.equal(r_eager, torch.full((5000,), 0.25)),
+                "op_in_graph": ALLREDUCE in targets,
+                "sum": got,
+            }
+        )
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_allreduce_compiles_into_the_graph_and_sums_as_eager(backend: str) -> None:
+    """Two gloo ranks; the graph holds the op (``fullgraph=True`` compiles), the sum and the
+    error-feedback residual are the eager ones bit for bit, the ranks agree (inductor: the
+    functionalized op in C++ code, ~5 s with a cold cache)."""
+    results = run_gloo(_compiled_job, 2, backend, timeout=900)
+    assert all(s == "ok" for s, _ in results), results
+    for _, rows in results:
+        for row in rows:
+            assert row["op_in_graph"], row["codec"]
+            assert row["same_sum"] and row["same_residual"], row["codec"]
+            assert row["residual_moved"], row["codec"]  # error feedback ran
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a["sum"], b["sum"]), a["codec"]
+
+
+def test_a_bad_traced_allreduce_raises_while_compiling() -> None:
+    """What cannot run raises when dynamo traces the call, naming the problem: an async call,
+    and a call with no process group (the same message as an eager call's)."""
+
+    def async_call(x: torch.Tensor) -> torch.Tensor:
+        allreduce(x, "int8", async_op=True)
+        return x
+
+    def no_group(x: torch.Tensor) -> torch.Tensor:
+        allreduce(x, "int8")
+        return x
+
+    for fn, match in (
+        (async_call, r"async_op=True\) cannot run inside torch.compile"),
+        (no_group, "torch.distributed is not initialized"),
+    ):
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError, match=match):
+            torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(8))
+
+
+def test_a_graph_from_elsewhere_names_its_unknown_call() -> None:
+    with pytest.raises(RuntimeError, match="never traced"):
+        ALLREDUCE(torch.ones(4), None, "allreduce#-1")
