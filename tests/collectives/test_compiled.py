@@ -114,6 +114,33 @@ def test_allreduce_compiles_into_the_graph_and_sums_as_eager(backend: str) -> No
         assert torch.equal(a["sum"], b["sum"]), a["codec"]
 
 
+def _sizes_job(rank: int, world: int) -> tuple[list[bool], int]:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(_step, backend="aot_eager", fullgraph=True)
+    same = []
+    for n in (5000, 3000, 7000, 3000):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rank + n))
+        r_eager, r_compiled = torch.zeros(n), torch.zeros(n)
+        got = fn(x, r_compiled, "int8", "ring")
+        same.append(torch.equal(got, _step(x, r_eager, "int8", "ring")))
+        same.append(torch.equal(r_eager, r_compiled))
+    return same, int(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.distributed
+def test_allreduce_compiled_with_dynamic_shapes() -> None:
+    """A second size recompiles with a symbolic size (dynamo's automatic dynamic shapes):
+    the call key holds no size, so that graph serves every later size, with eager bytes."""
+    results = run_gloo(_sizes_job, 2, timeout=600)
+    assert all(s == "ok" for s, _ in results), results
+    for _, (same, graphs) in results:
+        assert all(same), same
+        assert graphs == 2  # the static first graph, then one dynamic graph for the rest
+
+
 def test_a_bad_traced_allreduce_raises_while_compiling() -> None:
     """What cannot run raises when dynamo traces the call, naming the problem: an async call,
     and a call with no process group (the same message as an eager call's)."""
