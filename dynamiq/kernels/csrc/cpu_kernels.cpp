@@ -579,6 +579,25 @@ inline uint32_t mx_encode_element(float x, float inv, const MxFormat& f) {
   return (uint32_t)mag | ((bits & 0x80000000u) >> (32 - f.bits));
 }
 
+// c[i] = t[i] (each < 256) for BS values; with AVX2 but not AVX-512 GCC narrows byte by
+// byte (vpinsrb), so there 8 lanes at a time are packed to 16 and 8 bits
+template <int BS>
+inline void narrow_codes(const uint32_t* __restrict t, uint8_t* __restrict c) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (BS % 16 == 0) {
+    for (int i = 0; i < BS; i += 16) {
+      const __m256i a = _mm256_load_si256((const __m256i*)(t + i));
+      const __m256i b = _mm256_load_si256((const __m256i*)(t + i + 8));
+      const __m256i w = _mm256_packus_epi32(a, b);  // a0-3 b0-3 | a4-7 b4-7
+      const __m128i p = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+      _mm_storeu_si128((__m128i*)(c + i), _mm_shuffle_epi32(p, _MM_SHUFFLE(3, 1, 2, 0)));
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < BS; i++) c[i] = (uint8_t)t[i];
+}
+
 inline float e8m0_value(uint32_t c) {
   return c == 0xFF ? u2f(0x7FC00000u) : u2f(c == 0 ? 1u << 22 : c << 23);
 }
@@ -588,6 +607,12 @@ inline void mx_encode_codes(const float* __restrict v, int64_t len_, int32_t sha
                             const MxFormat& f, uint8_t* __restrict c) {
   const int64_t len = BS > 0 ? BS : len_;
   const float inv = mx_inv_scale(shared);
+  if (BS > 0) {  // the codes on 32-bit lanes, narrowed after (see blk_codes_block)
+    alignas(64) uint32_t t[BS > 0 ? BS : 1];
+    for (int64_t i = 0; i < BS; i++) t[i] = mx_encode_element<SPEC>(v[i], inv, f);
+    narrow_codes<BS>(t, c);
+    return;
+  }
   for (int64_t i = 0; i < len; i++) c[i] = (uint8_t)mx_encode_element<SPEC>(v[i], inv, f);
 }
 
@@ -605,6 +630,12 @@ inline void mx_decode_block(const MxJob& j, int64_t b, int64_t len_, const uint8
                             float* __restrict o) {
   const int64_t len = BS > 0 ? BS : len_;
   const float s = e8m0_value(j.in_scales[b]);
+  if (BS > 0) {  // the codes widened first (see blk_values_block)
+    alignas(64) uint32_t t[BS > 0 ? BS : 1];
+    for (int64_t i = 0; i < BS; i++) t[i] = c[i];
+    for (int64_t i = 0; i < BS; i++) o[i] = mx_decode_element<SPEC>(t[i], j.f) * s;
+    return;
+  }
   for (int64_t i = 0; i < len; i++) o[i] = mx_decode_element<SPEC>(c[i], j.f) * s;
 }
 
@@ -633,6 +664,16 @@ inline uint32_t mx_values_block(const MxJob& j, int64_t b, int64_t len_,
   if (j.op != 1) return block_absmax_bits<BS>(src, len, v);
   const float s = e8m0_value(j.in_scales[b]);
   uint32_t m = 0;
+  if (BS > 0) {  // the codes widened first (see blk_values_block)
+    alignas(64) uint32_t t[BS > 0 ? BS : 1];
+    for (int64_t i = 0; i < BS; i++) t[i] = c[i];
+    for (int64_t i = 0; i < BS; i++) {
+      const float x = mx_decode_element<SPEC>(t[i], j.f) * s + src[i];
+      v[i] = x;
+      m = std::max(m, f2u(x) & 0x7FFFFFFFu);
+    }
+    return m;
+  }
   for (int64_t i = 0; i < len; i++) {
     float p = mx_decode_element<SPEC>(c[i], j.f) * s;
     float x = p + src[i];
@@ -868,25 +909,6 @@ inline float blk_scale_block(const BlkJob& j, uint32_t m, uint8_t* scale_byte) {
   *scale_byte = (uint8_t)sc;
   const float S = blk_scale_value<SSPEC>(j, sc) * j.g_out;
   return finite && S > 0.0f ? S : 0.0f;
-}
-
-// c[i] = t[i] (each < 256) for BS values; with AVX2 but not AVX-512 GCC narrows byte by
-// byte (vpinsrb), so there 8 lanes at a time are packed to 16 and 8 bits
-template <int BS>
-inline void narrow_codes(const uint32_t* __restrict t, uint8_t* __restrict c) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  if (BS % 16 == 0) {
-    for (int i = 0; i < BS; i += 16) {
-      const __m256i a = _mm256_load_si256((const __m256i*)(t + i));
-      const __m256i b = _mm256_load_si256((const __m256i*)(t + i + 8));
-      const __m256i w = _mm256_packus_epi32(a, b);  // a0-3 b0-3 | a4-7 b4-7
-      const __m128i p = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
-      _mm_storeu_si128((__m128i*)(c + i), _mm_shuffle_epi32(p, _MM_SHUFFLE(3, 1, 2, 0)));
-    }
-    return;
-  }
-#endif
-  for (int64_t i = 0; i < BS; i++) c[i] = (uint8_t)t[i];
 }
 
 // pass 3 for a block with scale S: its codes
