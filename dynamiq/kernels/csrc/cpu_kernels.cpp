@@ -940,8 +940,10 @@ inline void blk_codes_block(const BlkJob& j, int64_t len_, const float* __restri
 
 // blocks [b0, b1) (at most 512) of a chunk whose first value is e0: decode into out, or the
 // three passes (values src, incoming codes cin, outgoing codes cout)
+// kept out of line: inlined into dq_blk_run's worker (GCC's choice once the MX kernels grew)
+// its loops ran 2x slower (measured; docs/benchmarks.md, "The MX kernels widened too")
 template <int ESPEC, int SSPEC>
-void blk_chunk_spec(const BlkJob& j, int64_t n, int64_t b0, int64_t b1, int64_t e0,
+__attribute__((noinline)) void blk_chunk_spec(const BlkJob& j, int64_t n, int64_t b0, int64_t b1, int64_t e0,
                     const uint8_t* in_scales, uint8_t* out_scales, const float* src, float* vals,
                     const uint8_t* cin, uint8_t* cout, float* out) {
   const int64_t bs = j.bs;
