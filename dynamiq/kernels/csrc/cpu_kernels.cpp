@@ -589,7 +589,8 @@ inline void narrow_codes(const uint32_t* __restrict t, uint8_t* __restrict c) {
       const __m256i a = _mm256_load_si256((const __m256i*)(t + i));
       const __m256i b = _mm256_load_si256((const __m256i*)(t + i + 8));
       const __m256i w = _mm256_packus_epi32(a, b);  // a0-3 b0-3 | a4-7 b4-7
-      const __m128i p = _mm_packus_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+      const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
+      const __m128i p = _mm_packus_epi16(lo, hi);  // a0-3 b0-3 a4-7 b4-7
       _mm_storeu_si128((__m128i*)(c + i), _mm_shuffle_epi32(p, _MM_SHUFFLE(3, 1, 2, 0)));
     }
     return;
@@ -804,7 +805,7 @@ int dq_mx_run(dq_mx_args* a) {
 // writes the 8-bit codes takes its vector length from them (16 bytes: every float of it in
 // 128-bit vectors, the division included), so the fixed-length blocks (BS > 0) widen the
 // codes to 32 bits in a loop of their own and do the float work on 32-bit lanes: measured
-// 2.3x -> 1.16x mxfp4's fused reduce, 2.5x -> 1.06x its encode (16M values; docs/benchmarks.md)
+// 2.3x -> 1.2x mxfp4's fused reduce, 2.5x -> 1.06x its encode (16M values; docs/benchmarks.md)
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC target("prefer-vector-width=512")
@@ -940,12 +941,13 @@ inline void blk_codes_block(const BlkJob& j, int64_t len_, const float* __restri
 
 // blocks [b0, b1) (at most 512) of a chunk whose first value is e0: decode into out, or the
 // three passes (values src, incoming codes cin, outgoing codes cout)
-// kept out of line: inlined into dq_blk_run's worker (GCC's choice once the MX kernels grew)
-// its loops ran 2x slower (measured; docs/benchmarks.md, "The MX kernels widened too")
+// Kept out of line: inlined into dq_blk_run's worker (GCC's choice once the MX kernels grew),
+// its loops ran 2x slower (measured; docs/benchmarks.md, "The MX kernels widened too").
 template <int ESPEC, int SSPEC>
-__attribute__((noinline)) void blk_chunk_spec(const BlkJob& j, int64_t n, int64_t b0, int64_t b1, int64_t e0,
-                    const uint8_t* in_scales, uint8_t* out_scales, const float* src, float* vals,
-                    const uint8_t* cin, uint8_t* cout, float* out) {
+__attribute__((noinline)) void blk_chunk_spec(const BlkJob& j, int64_t n, int64_t b0, int64_t b1,
+                                              int64_t e0, const uint8_t* in_scales,
+                                              uint8_t* out_scales, const float* src, float* vals,
+                                              const uint8_t* cin, uint8_t* cout, float* out) {
   const int64_t bs = j.bs;
   if (j.op == 2) {
     for (int64_t b = b0; b < b1; b++) {
