@@ -599,6 +599,32 @@ inline void narrow_codes(const uint32_t* __restrict t, uint8_t* __restrict c) {
   for (int64_t i = 0; i < BS; i++) c[i] = (uint8_t)t[i];
 }
 
+// A block's 8-bit codes as its loops read them (w[i]) and write them (w.set(i, code), then
+// w.done()): on 32-bit lanes where the block length is fixed (BS > 0), so that the loop's
+// float work runs in full-width vectors (GCC takes a loop's vector length from its narrowest
+// type: the bytes would put every float of it in 128-bit vectors); the bytes themselves
+// otherwise.
+template <int BS>
+struct WideCodes {
+  explicit WideCodes(const uint8_t* __restrict c) : in(c), out(nullptr) {
+    for (int64_t i = 0; i < BS; i++) t[i] = c[i];
+  }
+  explicit WideCodes(uint8_t* __restrict c) : in(nullptr), out(c) {}
+  uint32_t operator[](int64_t i) const { return BS > 0 ? t[i] : in[i]; }
+  void set(int64_t i, uint32_t code) {
+    if (BS > 0) t[i] = code;
+    else out[i] = (uint8_t)code;
+  }
+  void done() {
+    if (BS > 0) narrow_codes<BS>(t, out);
+  }
+
+ private:
+  alignas(64) uint32_t t[BS > 0 ? BS : 1];
+  const uint8_t* __restrict in;
+  uint8_t* __restrict out;
+};
+
 inline float e8m0_value(uint32_t c) {
   return c == 0xFF ? u2f(0x7FC00000u) : u2f(c == 0 ? 1u << 22 : c << 23);
 }
@@ -608,13 +634,9 @@ inline void mx_encode_codes(const float* __restrict v, int64_t len_, int32_t sha
                             const MxFormat& f, uint8_t* __restrict c) {
   const int64_t len = BS > 0 ? BS : len_;
   const float inv = mx_inv_scale(shared);
-  if (BS > 0) {  // the codes on 32-bit lanes, narrowed after (see blk_codes_block)
-    alignas(64) uint32_t t[BS > 0 ? BS : 1];
-    for (int64_t i = 0; i < BS; i++) t[i] = mx_encode_element<SPEC>(v[i], inv, f);
-    narrow_codes<BS>(t, c);
-    return;
-  }
-  for (int64_t i = 0; i < len; i++) c[i] = (uint8_t)mx_encode_element<SPEC>(v[i], inv, f);
+  WideCodes<BS> w(c);
+  for (int64_t i = 0; i < len; i++) w.set(i, mx_encode_element<SPEC>(v[i], inv, f));
+  w.done();
 }
 
 // what every block of one dq_mx_run call shares
@@ -631,13 +653,8 @@ inline void mx_decode_block(const MxJob& j, int64_t b, int64_t len_, const uint8
                             float* __restrict o) {
   const int64_t len = BS > 0 ? BS : len_;
   const float s = e8m0_value(j.in_scales[b]);
-  if (BS > 0) {  // the codes widened first (see blk_values_block)
-    alignas(64) uint32_t t[BS > 0 ? BS : 1];
-    for (int64_t i = 0; i < BS; i++) t[i] = c[i];
-    for (int64_t i = 0; i < BS; i++) o[i] = mx_decode_element<SPEC>(t[i], j.f) * s;
-    return;
-  }
-  for (int64_t i = 0; i < len; i++) o[i] = mx_decode_element<SPEC>(c[i], j.f) * s;
+  const WideCodes<BS> w(c);
+  for (int64_t i = 0; i < len; i++) o[i] = mx_decode_element<SPEC>(w[i], j.f) * s;
 }
 
 template <int SPEC>
@@ -665,18 +682,9 @@ inline uint32_t mx_values_block(const MxJob& j, int64_t b, int64_t len_,
   if (j.op != 1) return block_absmax_bits<BS>(src, len, v);
   const float s = e8m0_value(j.in_scales[b]);
   uint32_t m = 0;
-  if (BS > 0) {  // the codes widened first (see blk_values_block)
-    alignas(64) uint32_t t[BS > 0 ? BS : 1];
-    for (int64_t i = 0; i < BS; i++) t[i] = c[i];
-    for (int64_t i = 0; i < BS; i++) {
-      const float x = mx_decode_element<SPEC>(t[i], j.f) * s + src[i];
-      v[i] = x;
-      m = std::max(m, f2u(x) & 0x7FFFFFFFu);
-    }
-    return m;
-  }
+  const WideCodes<BS> w(c);
   for (int64_t i = 0; i < len; i++) {
-    float p = mx_decode_element<SPEC>(c[i], j.f) * s;
+    float p = mx_decode_element<SPEC>(w[i], j.f) * s;
     float x = p + src[i];
     v[i] = x;
     m = std::max(m, f2u(x) & 0x7FFFFFFFu);
@@ -803,8 +811,8 @@ int dq_mx_run(dq_mx_args* a) {
 // 16 lanes for the blocks of 16 (NVFP4's): GCC prefers 256-bit vectors on CPUs that have
 // AVX-512 and then runs a block's 16 codes as four 128-bit vectors. And a loop that reads or
 // writes the 8-bit codes takes its vector length from them (16 bytes: every float of it in
-// 128-bit vectors, the division included), so the fixed-length blocks (BS > 0) widen the
-// codes to 32 bits in a loop of their own and do the float work on 32-bit lanes: measured
+// 128-bit vectors, the division included), so the fixed-length blocks (BS > 0) take their
+// codes through WideCodes and do the float work on 32-bit lanes: measured
 // 2.3x -> 1.2x mxfp4's fused reduce, 2.5x -> 1.06x its encode (16M values; docs/benchmarks.md)
 #if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -857,13 +865,8 @@ inline void blk_decode_block(const BlkJob& j, int64_t b, int64_t len_, const uin
                              const uint8_t* __restrict cin, float* __restrict out) {
   const int64_t len = BS > 0 ? BS : len_;
   const float S = blk_scale_value<SSPEC>(j, in_scales[b]) * j.g_in;
-  if (BS > 0) {  // the codes widened first (see blk_values_block)
-    alignas(64) uint32_t t[BS > 0 ? BS : 1];
-    for (int64_t i = 0; i < BS; i++) t[i] = cin[i];
-    for (int64_t i = 0; i < BS; i++) out[i] = mx_decode_element<ESPEC>(t[i], j.e) * S;
-    return;
-  }
-  for (int64_t i = 0; i < len; i++) out[i] = mx_decode_element<ESPEC>(cin[i], j.e) * S;
+  const WideCodes<BS> w(cin);
+  for (int64_t i = 0; i < len; i++) out[i] = mx_decode_element<ESPEC>(w[i], j.e) * S;
 }
 
 // pass 1 for block b: its values in v and the integer max of their magnitude bits
@@ -874,21 +877,11 @@ inline uint32_t blk_values_block(const BlkJob& j, int64_t b, int64_t len_,
   const int64_t len = BS > 0 ? BS : len_;
   uint32_t m = 0;
   prefetch_ahead(src);
-  if (j.op == 1 && BS > 0) {  // the codes widened first: the float work in full-width vectors
-    const float S_in = blk_scale_value<SSPEC>(j, in_scales[b]) * j.g_in;
-    alignas(64) uint32_t t[BS > 0 ? BS : 1];
-    for (int64_t i = 0; i < BS; i++) t[i] = cin[i];
-    for (int64_t i = 0; i < BS; i++) {
-      const float p = mx_decode_element<ESPEC>(t[i], j.e) * S_in;
-      v[i] = p + src[i];
-      m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
-    }
-    return m;
-  }
   if (j.op == 1) {
     const float S_in = blk_scale_value<SSPEC>(j, in_scales[b]) * j.g_in;
+    const WideCodes<BS> w(cin);
     for (int64_t i = 0; i < len; i++) {
-      const float p = mx_decode_element<ESPEC>(cin[i], j.e) * S_in;
+      const float p = mx_decode_element<ESPEC>(w[i], j.e) * S_in;
       v[i] = p + src[i];
       m = std::max(m, f2u(v[i]) & 0x7FFFFFFFu);
     }
@@ -922,21 +915,13 @@ inline void blk_codes_block(const BlkJob& j, int64_t len_, const float* __restri
     return;
   }
   const uint32_t lim = j.e_limit_bits;
-  if (BS > 0) {  // the codes as 32-bit lanes first: the float work in full-width vectors
-    alignas(64) uint32_t t[BS > 0 ? BS : 1];
-    for (int64_t i = 0; i < BS; i++) {
-      const uint32_t qb = f2u(v[i] / S);
-      const float q = u2f((qb & 0x80000000u) | std::min(qb & 0x7FFFFFFFu, lim));
-      t[i] = mx_encode_element<ESPEC>(q, 1.0f, j.e);
-    }
-    narrow_codes<BS>(t, c);
-    return;
-  }
+  WideCodes<BS> w(c);
   for (int64_t i = 0; i < len; i++) {
     const uint32_t qb = f2u(v[i] / S);
     const float q = u2f((qb & 0x80000000u) | std::min(qb & 0x7FFFFFFFu, lim));
-    c[i] = (uint8_t)mx_encode_element<ESPEC>(q, 1.0f, j.e);
+    w.set(i, mx_encode_element<ESPEC>(q, 1.0f, j.e));
   }
+  w.done();
 }
 
 // blocks [b0, b1) (at most 512) of a chunk whose first value is e0: decode into out, or the
