@@ -59,18 +59,12 @@ def _group_name(group: Any) -> str | None:
     """The name a process group is found by when the graph runs (``None``: the default)."""
     if group is None:
         return None
-    real = getattr(group, "real_obj", group)  # dynamo hands a wrapper of the traced group
-    name = getattr(real, "group_name", None)
+    name = getattr(group, "group_name", None)
     if not isinstance(name, str):
         raise TypeError(
-            f"group must be a torch.distributed ProcessGroup or None (got {type(real).__name__})"
+            f"group must be a torch.distributed ProcessGroup or None (got {type(group).__name__})"
         )
     return name
-
-
-def _world_size(group: Any) -> int:
-    dist = initialized_dist()
-    return int(dist.get_world_size(getattr(group, "real_obj", group)))
 
 
 def _call_key(
@@ -91,7 +85,11 @@ def _call_key(
     opts = merge_options("allreduce", options, codec=codec, schedule=schedule, **keywords)
     from .api import _resolve
 
-    world = transport.world_size if transport is not None else _world_size(group)
+    group = getattr(group, "real_obj", group)  # dynamo hands a wrapper of the traced group
+    if transport is not None:
+        world = transport.world_size
+    else:
+        world = int(initialized_dist().get_world_size(group))
     _resolve(opts, world, 0, 0)  # the codec and the schedule: a bad one raises now
     call = _Call(codec, schedule, _group_name(group), transport, options, dict(keywords))
     with _LOCK:
