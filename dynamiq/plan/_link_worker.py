@@ -13,7 +13,9 @@ inside the rank's namespace of an emulated cluster; not a public entry point).
   all of them; all ranks start together after a barrier. A transfer with a fifth element
   ``1`` is *lock-step*, as the engine moves a payload of data-dependent size: each piece goes
   as an 8-byte length header then the payload, and its receiver posts the header's receive,
-  waits for it, then posts the payload's and waits for that, piece after piece. Reported:
+  waits for it, then posts the payload's and waits for that, piece after piece. A pattern
+  named in the spec's ``ahead`` list posts each round's receives a round ahead, as the engine
+  does (a peer that finishes its round first sends its next round at once). Reported:
   each repeat's seconds (this rank), the seconds spent inside ``isend`` calls, and the
   process's CPU seconds (its threads and the system calls that move the bytes).
 """
@@ -74,14 +76,27 @@ def _round_plan(transfers: list[list[int]]) -> _Round:
     return sends, recvs, lockstep
 
 
-def _pattern(rank: int, rounds: list[list[list[int]]]) -> tuple[float, float, float]:
-    """Run this rank's rounds once; (seconds, seconds inside isend, process CPU seconds)."""
+def _pattern(
+    rank: int, rounds: list[list[list[int]]], ahead: bool = False
+) -> tuple[float, float, float]:
+    """Run this rank's rounds once; (seconds, seconds inside isend, process CPU seconds).
+    ``ahead``: the next round's receives are posted before this round's sends, as the
+    engine posts them (so a peer that moves on early sends at once)."""
     plan = [_round_plan(transfers) for transfers in rounds]
+    posted: dict[int, list[Any]] = {}
+
+    def post(k: int) -> None:
+        if k < len(plan) and k not in posted:
+            posted[k] = [w for src, b in plan[k][1] if (w := dist.irecv(b, src)) is not None]
+
     dist.barrier()
     in_send = 0.0
     c0, t0 = time.process_time(), time.perf_counter()
-    for sends, recvs, lockstep in plan:
-        works = [w for src, b in recvs if (w := dist.irecv(b, src)) is not None]
+    for k, (sends, _, lockstep) in enumerate(plan):
+        post(k)
+        if ahead:
+            post(k + 1)
+        works = posted.pop(k)
         for _, dst, b in sends:
             t = time.perf_counter()
             w = dist.isend(b, dst)
@@ -140,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     result["patterns"] = {}
     for name, per_rank in spec["patterns"].items():
         rounds = per_rank[args.rank]
-        _pattern(args.rank, rounds)  # warm-up: the connections exist, TCP has ramped once
+        ahead = name in spec.get("ahead", ())
+        _pattern(args.rank, rounds, ahead)  # warm-up: the connections exist, TCP has ramped
         times, sends, cpus = [], [], []
         for _ in range(int(spec["repeats"])):
-            t, s, c = _pattern(args.rank, rounds)
+            t, s, c = _pattern(args.rank, rounds, ahead)
             times.append(t)
             sends.append(s)
             cpus.append(c)

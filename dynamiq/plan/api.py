@@ -77,6 +77,7 @@ def _inter_link(
             calib.get("exchange_efficiency"),
             float(calib.get("extra_cpu_per_byte_s") or 0.0),
             calib.get("notice_queue_s"),
+            tuple((float(b), float(e)) for b, e in calib.get("butterfly_efficiency") or ()),
         )
     else:
         link = named_link(profile)
@@ -94,6 +95,7 @@ def _inter_link(
             link.exchange_efficiency if efficiency is None else efficiency,
             link.cpu_per_byte_s,
             link.notice_queue_s,
+            link.exchange_curve if efficiency is None else (),
         )
     return link, calib
 

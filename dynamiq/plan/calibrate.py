@@ -15,7 +15,9 @@
   changes every round, which says what changing partners costs on these links; that switching
   exchange again with every payload's receive posted only after its length header, as the
   engine moves payloads of data-dependent size (per piece, what the receiver's "ready" notice
-  costs when it queues behind the receiver's own data to the same peer); the stream's
+  costs when it queues behind the receiver's own data to the same peer); the engine's own
+  butterfly pattern (:func:`butterfly_rounds`, receives posted a round ahead) over a few
+  buffer sizes, whose goodput by the bytes of a round is the exchange curve; the stream's
   process CPU per byte moved, there and on loopback (the kernel's work on the shaped links
   beyond what a host table measured on loopback holds).
 
@@ -228,9 +230,33 @@ def exchange_sizes(n: int, nbytes: int) -> list[int]:
     return [b for _, b in exchange_rounds(n, nbytes)]
 
 
-def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[list[int]]]]]:
+def butterfly_rounds(n: int, nbytes: int) -> list[tuple[int, int]]:
+    """``(partner mask, bytes)`` of each round of the engine's butterfly over ``nbytes``: a
+    recursive halving from the farthest partner in, then doubling back out, over the
+    largest power of two <= ``n``; the two middle rounds (to the same partner, which the
+    engine sends on without a pause) are one."""
+    p = 1 << (n.bit_length() - 1)
+    steps = p.bit_length() - 1
+    halving = [(p >> (i + 1), nbytes >> (i + 1)) for i in range(steps)]
+    rounds = halving + halving[::-1]
+    mid = len(rounds) // 2
+    if mid == 0:
+        return rounds
+    merged = (rounds[mid][0], rounds[mid - 1][1] + rounds[mid][1])
+    return [*rounds[: mid - 1], merged, *rounds[mid + 1 :]]
+
+
+def butterfly_pattern_name(nbytes: int) -> str:
+    return f"butterfly_{nbytes}"
+
+
+def link_patterns(
+    n: int, nbytes: int, piece: int, butterfly_bytes: Sequence[int] = ()
+) -> dict[str, list[list[list[list[int]]]]]:
     """Per pattern, per rank, its rounds, each a list of transfers ``[send_to, recv_from,
-    nbytes, pieces]`` that run at once (:mod:`dynamiq.plan._link_worker`)."""
+    nbytes, pieces]`` that run at once (:mod:`dynamiq.plan._link_worker`); with
+    ``butterfly_bytes``, also the engine's butterfly over each of those buffer sizes
+    (:func:`butterfly_rounds`; to run with its receives posted a round ahead)."""
 
     def pieces(b: int) -> int:
         return max(1, -(-b // piece))
@@ -267,6 +293,14 @@ def link_patterns(n: int, nbytes: int, piece: int) -> dict[str, list[list[list[l
     }
     if n >= 3:
         out["two_streams"] = two
+    for size in butterfly_bytes:
+        bf = [
+            [[[r ^ m, r ^ m, b, pieces(b)]] for m, b in butterfly_rounds(n, size)]
+            if r < p
+            else [[[-1, -1, 0, 1]]] * len(butterfly_rounds(n, size))
+            for r in range(n)
+        ]
+        out[butterfly_pattern_name(size)] = bf
     return out
 
 
@@ -351,9 +385,11 @@ def calibrate_network(
     repeats: int = 3,
     delay_ms: float = 0.1,
     progress: bool = True,
+    butterfly_mib: Sequence[float] = (2, 8, 32, 64),
 ) -> dict[str, Any]:
     """Latency, goodput and send cost of the emulated cluster's links at each rate (module
-    docstring). ``nbytes`` per stream: default 1.5 s of the rate's line time."""
+    docstring). ``nbytes`` per stream: default 1.5 s of the rate's line time;
+    ``butterfly_mib``: the buffers of the engine's butterfly pattern."""
     from dynamiq.bench.netns import EmulatedCluster, check_available, parse_rate
 
     check_available()
@@ -369,11 +405,13 @@ def calibrate_network(
     for rate in rates:
         bps = parse_rate(rate)
         size = nbytes or int(1.5 * bps / 8)
+        sizes = [int(m * 2**20) for m in butterfly_mib]
         spec = {
             "pingpong_iters": 200,
             "pingpong_bytes": 8,
             "repeats": repeats,
-            "patterns": link_patterns(ranks, size, piece),
+            "patterns": link_patterns(ranks, size, piece, sizes),
+            "ahead": [butterfly_pattern_name(b) for b in sizes],
             "timeout": 300,
         }
         with EmulatedCluster(ranks, rate, delay_ms) as cl, tempfile.TemporaryDirectory() as tmp:
@@ -389,7 +427,10 @@ def calibrate_network(
                 f"switch/fixed {s['switch_over_fixed']:.3f}, two streams "
                 f"{s['two_streams_efficiency']:.3f}, notice queue "
                 f"{s['notice_queue_s'] * 1e3:.1f} ms, CPU beyond loopback "
-                f"{s['extra_cpu_per_byte_s'] * 1e9:.2f} ns/byte",
+                f"{s['extra_cpu_per_byte_s'] * 1e9:.2f} ns/byte, butterfly "
+                + ", ".join(
+                    f"{b / 2**20:.3g} MiB a round {e:.3f}" for b, e in s["butterfly_efficiency"]
+                ),
                 file=sys.stderr,
                 flush=True,
             )
@@ -549,8 +590,26 @@ def _summarise_links(
         # the same bytes to two peers at once: the efficiency of two connections sharing a link
         "two_streams_seconds": two_s,
         "two_streams_efficiency": min(1.0, 8 * (size // 2 * 2) / two_s / bps),
+        # the engine's butterfly (receives posted a round ahead) over several buffers:
+        # [bytes a round, goodput ÷ rate of each direction], by the round's bytes
+        "butterfly_efficiency": butterfly_efficiency(per_rank, spec, bps, slowest),
         "shaping": shaping,
     }
+
+
+def butterfly_efficiency(
+    per_rank: list[dict[str, Any]], spec: dict[str, Any], bps: float, slowest: Any
+) -> list[list[float]]:
+    """``[mean bytes a round, goodput ÷ rate]`` of each butterfly pattern of the spec (its
+    rounds back to back: every byte each way over the slowest rank's median time), sorted
+    by the round's bytes."""
+    n, out = len(per_rank), []
+    for name in spec.get("ahead", ()):
+        size = int(name.split("_")[1])
+        sizes = [b for _, b in butterfly_rounds(n, size)]
+        eff = min(1.0, 8 * sum(sizes) / slowest(name) / bps)
+        out.append([sum(sizes) / len(sizes), eff])
+    return sorted(out)
 
 
 def exchange_efficiency(n: int, size: int, seconds: float, bps: float) -> float:

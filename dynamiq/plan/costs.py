@@ -10,11 +10,14 @@
   and ``exchange_efficiency`` for a message of a round in which the rank sends to the peer it
   receives from (butterfly's pairwise exchanges, measured by the calibration's exchange whose
   partners switch as butterfly's do: on the emulated cluster 7-15 % slower per byte than a
-  one-way stream). ``notice_queue_s``: the "ready" notice of a receive posted after its
-  message was sent (a payload of data-dependent size, posted after its length header) travels
-  behind the receiver's own data to the sender, in that direction's socket and shaper queues,
-  for at most this long (measured by the calibration's lock-step exchange, per piece: 52 ms at
-  100 Mbit/s and 8 ms at 1 Gbit/s on the emulated cluster; None: it never waits).
+  one-way stream); ``exchange_curve`` replaces that with the efficiency by the bytes of the
+  round (the calibration's butterfly patterns: switching partners costs a large round little
+  and a round of a few socket buffers' worth much). ``notice_queue_s``: the "ready" notice
+  of a receive posted after its message was sent (a payload of data-dependent size, posted
+  after its length header) travels behind the receiver's own data to the sender, in that
+  direction's socket and shaper queues, for at most this long (measured by the calibration's
+  lock-step exchange, per piece: 52 ms at 100 Mbit/s and 8 ms at 1 Gbit/s on the emulated
+  cluster; None: it never waits).
 * :class:`Cost`: ``overhead + per_value · numel`` seconds for one call of a kernel on
   ``numel`` values; :class:`CodecCost` has one for ``encode``, the fused ``reduce``,
   ``decode`` and a codec's ``prologue`` (on the whole buffer).
@@ -35,6 +38,7 @@ lock-step).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -74,6 +78,10 @@ class Link:
     #: the longest a receiver's "ready" notice queues behind its own data to the sender
     #: (the calibration's lock-step exchange; None: never)
     notice_queue_s: float | None = None
+    #: ``((bytes a round, efficiency), ...)``, ascending: the exchange's goodput ÷ rate by
+    #: the bytes of its round (the calibration's butterfly patterns); where given it replaces
+    #: ``exchange_efficiency`` (log-linear between the points, flat beyond them)
+    exchange_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (self.rate_bps > 0 and math.isfinite(self.rate_bps)):
@@ -88,21 +96,53 @@ class Link:
         q = self.notice_queue_s
         if q is not None and not (q >= 0 and math.isfinite(q)):
             raise ValueError(f"link notice queue time must be >= 0 s (got {q})")
+        sizes = [b for b, _ in self.exchange_curve]
+        if any(not (b > 0 and math.isfinite(b)) for b in sizes) or sizes != sorted(set(sizes)):
+            raise ValueError(
+                f"the exchange curve's round bytes must be positive and ascending (got {sizes})"
+            )
+        for _, e in self.exchange_curve:
+            if not 0 < e <= 1:
+                raise ValueError(f"link efficiency must be in (0, 1] (got {e})")
+
+    def exchange_at(self, round_bytes: float | None) -> float | None:
+        """The exchange's efficiency for a round of ``round_bytes`` (the curve where given,
+        else ``exchange_efficiency``)."""
+        curve = self.exchange_curve
+        if not curve or round_bytes is None or round_bytes <= 0:
+            return self.exchange_efficiency
+        if round_bytes <= curve[0][0]:
+            return curve[0][1]
+        for (b0, e0), (b1, e1) in itertools.pairwise(curve):
+            if round_bytes <= b1:
+                w = math.log(round_bytes / b0) / math.log(b1 / b0)
+                return e0 + w * (e1 - e0)
+        return curve[-1][1]
 
     @property
     def bytes_per_s(self) -> float:
         """Goodput, bytes per second."""
         return self.rate_bps * self.efficiency / 8.0
 
-    def seconds(self, nbytes: float, shared: bool = False, exchange: bool = False) -> float:
+    def seconds(
+        self,
+        nbytes: float,
+        shared: bool = False,
+        exchange: bool = False,
+        round_bytes: float | None = None,
+    ) -> float:
         """Wire time of ``nbytes`` (no latency); ``shared``: while another connection uses
-        the link too; ``exchange``: while the receiver sends to the sender (the lower of the
-        two efficiencies where both hold)."""
+        the link too; ``exchange``: while the receiver sends to the sender, in a round of
+        ``round_bytes`` (the exchange curve's efficiency there replaces the link's; the
+        lower of it and the shared one where both hold)."""
         eff = self.efficiency
         if shared and self.shared_efficiency:
             eff = self.shared_efficiency
-        if exchange and self.exchange_efficiency:
-            eff = min(eff, self.exchange_efficiency)
+        ex = self.exchange_at(round_bytes) if exchange else None
+        if ex and self.exchange_curve and round_bytes:
+            eff = min(self.shared_efficiency or ex, ex) if shared else ex
+        elif ex:
+            eff = min(eff, ex)
         return 8.0 * nbytes / (self.rate_bps * eff)
 
 

@@ -189,6 +189,9 @@ class _Msg:
     nbytes: int
     exact: bool = True  # the size is known before it arrives (else a length header first)
     exchange: bool = False  # its round sends to the peer it receives from (a pairwise exchange)
+    #: what its sender sends in its round and the rounds next to it to the same peer (which
+    #: the engine sends on without a pause: butterfly's last halving and first doubling)
+    round_bytes: int = 0
     issued: float | None = None
     posted: float | None = None
     end: float | None = None  # last byte serialised (the send completes)
@@ -219,7 +222,7 @@ class _Net:
         # queued behind a message to another peer: two connections share the uplink
         shared = self.up[m.src] > ready and self.last_dst[m.src] not in (-1, m.dst)
         start = max(ready, self.up[m.src], self.down[m.dst])
-        m.end = start + link.seconds(m.nbytes, shared, m.exchange)
+        m.end = start + link.seconds(m.nbytes, shared, m.exchange, m.round_bytes)
         self.up[m.src] = self.down[m.dst] = m.end
         self.last_dst[m.src] = m.dst
         m.arrival = m.end + link.latency_s
@@ -275,14 +278,20 @@ def _make_msgs(plan: Any, pieces: Any, n: int) -> tuple[dict[tuple[Any, ...], _M
     msgs: dict[tuple[Any, ...], _Msg] = {}
     exact = True
     for r in range(n):
+        mine: list[_Msg] = []  # this run of rounds to one peer (the engine sends them on)
         for k, rnd in enumerate(plan[r]):
+            if k and plan[r][k - 1].send_to != rnd.send_to:
+                mine = []
             for op in rnd.sends:
                 assert rnd.send_to is not None
                 for j, (a, b) in enumerate(pieces[op.chunk]):
                     nb, ex = _piece_bytes(op.codec, a, b, op.ctx)
                     exact &= ex
                     pair = rnd.send_to == rnd.recv_from
-                    msgs[(r, rnd.send_to, k, op.chunk, j)] = _Msg(r, rnd.send_to, nb, ex, pair)
+                    m = msgs[(r, rnd.send_to, k, op.chunk, j)] = _Msg(r, rnd.send_to, nb, ex, pair)
+                    mine.append(m)
+            for m in mine:
+                m.round_bytes = sum(x.nbytes for x in mine)
     return msgs, exact
 
 

@@ -86,6 +86,42 @@ def test_exchange_efficiency_applies_to_pairwise_rounds_only() -> None:
     )
 
 
+def test_the_exchange_curve_goes_by_the_rounds_bytes() -> None:
+    # log-linear between the measured rounds, flat beyond them; it replaces the single
+    # exchange efficiency, for exchange rounds only
+    curve = ((1e6, 0.8), (4e6, 0.9))
+    link = Link(1e8, exchange_efficiency=0.5, exchange_curve=curve)
+    assert link.exchange_at(1e5) == 0.8 and link.exchange_at(1e7) == 0.9
+    assert link.exchange_at(2e6) == pytest.approx(0.85, rel=1e-12)
+    assert link.exchange_at(None) == 0.5
+    assert link.seconds(1e6, exchange=True, round_bytes=2e6) == pytest.approx(8e6 / (1e8 * 0.85))
+    assert link.seconds(1e6) == pytest.approx(8e6 / 1e8)
+    shared = Link(1e8, shared_efficiency=0.7, exchange_curve=curve)
+    assert shared.seconds(1e6, True, True, 4e6) == pytest.approx(8e6 / (1e8 * 0.7))
+    for bad in (((4e6, 0.8), (1e6, 0.9)), ((1e6, 0.8), (1e6, 0.9)), ((0.0, 0.8),), ((1e6, 1.5),)):
+        with pytest.raises(ValueError, match="exchange curve|efficiency"):
+            Link(1e8, exchange_curve=bad)
+
+
+def test_butterfly_rounds_take_the_curve_at_their_bytes() -> None:
+    # 4 ranks: half the buffer to each partner in turn (the middle two rounds, to one peer,
+    # go on as one); a curve point at exactly that many bytes sets their wire time, the
+    # ring does not move
+    numel, rate, alpha = 1 << 16, 1e8, 2e-4
+    half = 4 * numel // 2
+    curve = ((half / 4, 0.9), (float(half), 0.6), (half * 4.0, 0.95))
+    ex = Cluster(4, Link(rate, alpha, exchange_curve=curve))
+    p = simulate("fp32", "butterfly", ex, numel, ZERO, LOCKSTEP, sub_chunk=numel)
+    assert [r["bytes_sent"] for r in p.rounds] == [half, half // 2, half // 2, half]
+    plain = Cluster(4, Link(rate, alpha))
+    base = simulate("fp32", "butterfly", plain, numel, ZERO, LOCKSTEP, sub_chunk=numel)
+    wire = 3 * 8 * half / rate
+    assert p.seconds - base.seconds == pytest.approx(wire / 0.6 - wire, rel=1e-9)
+    ring = simulate("fp32", "ring", ex, numel, ZERO, LOCKSTEP, sub_chunk=numel)
+    ring0 = simulate("fp32", "ring", plain, numel, ZERO, LOCKSTEP, sub_chunk=numel)
+    assert ring.seconds == ring0.seconds
+
+
 def test_a_late_notice_waits_behind_the_receivers_own_data() -> None:
     # a payload of data-dependent size is posted after its length header, so its "ready"
     # notice goes after the send was issued: in OmniReduce's butterfly the notice travels
@@ -123,6 +159,30 @@ def test_link_patterns_have_a_lockstep_exchange() -> None:
         rnd for rank in switch for rnd in rank
     ]
     assert all(t[4] == 1 for rank in lockstep for rnd in rank for t in rnd)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16])
+def test_the_butterfly_pattern_has_the_engines_rounds(n: int) -> None:
+    # the engine's plan on a power of two, its rounds to one peer in a row merged (the
+    # engine sends them on without a pause: the last halving and the first doubling)
+    from dynamiq.collectives import get_schedule
+    from dynamiq.collectives.planning import plan_schedule
+    from dynamiq.plan.calibrate import butterfly_pattern_name, butterfly_rounds, link_patterns
+
+    size, numel = 1 << 22, 1 << 20  # fp32: the same bytes
+    plan = plan_schedule(get_schedule("butterfly", n), get_codec("fp32"))
+    chunk = size // get_schedule("butterfly", n).num_chunks
+    for r in range(1 << (n.bit_length() - 1)):
+        engine: list[tuple[int, int]] = []
+        for rnd in plan[r]:
+            if engine and engine[-1][0] == rnd.send_to:
+                engine[-1] = (rnd.send_to, engine[-1][1] + chunk * len(rnd.sends))
+            elif rnd.sends:
+                engine.append((rnd.send_to, chunk * len(rnd.sends)))
+        assert [(r ^ m, b) for m, b in butterfly_rounds(n, size)] == engine
+    pat = link_patterns(n, 1 << 20, 1 << 18, [size])[butterfly_pattern_name(size)]
+    assert [t[2] for t in pat[0][0]] == [butterfly_rounds(n, size)[0][1]]
+    assert numel * 4 == size
 
 
 def test_exchange_efficiency_is_derived_from_the_exchange_patterns_bytes() -> None:
@@ -335,3 +395,46 @@ def test_hierarchical_nodes_are_the_clusters(capsys: pytest.CaptureFixture[str])
     data = json.loads(out)
     assert [r["schedule"] for r in data["results"]] == ["ring", "hierarchical(g=4)"]
     assert data["parameters"]["intra_link"]["rate_bps"] == 3600e9
+
+
+@pytest.mark.distributed
+def test_the_link_worker_runs_the_butterfly_with_receives_posted_ahead() -> None:
+    # four local ranks on loopback run the engine's butterfly pattern both ways (receives
+    # posted a round ahead, and not); the summary's curve holds each buffer's point
+    import statistics
+    import tempfile
+
+    from dynamiq.plan.calibrate import (
+        _free_port,
+        _Loopback,
+        _run_ranks,
+        butterfly_efficiency,
+        butterfly_pattern_name,
+        link_patterns,
+    )
+
+    sizes = [1 << 16, 1 << 18]
+    pats = link_patterns(4, 1 << 16, 1 << 14, sizes)
+    names = [butterfly_pattern_name(b) for b in sizes]
+    spec = {
+        "pingpong_iters": 2,
+        "pingpong_bytes": 8,
+        "repeats": 2,
+        "patterns": {n: pats[n] for n in names} | {"plain": pats[names[0]]},
+        "ahead": names,
+        "timeout": 120,
+    }
+    with _Loopback(4) as cl, tempfile.TemporaryDirectory() as tmp:
+        per_rank = _run_ranks(cl, spec, tmp, port=_free_port())
+    for name in [*names, "plain"]:
+        assert all(len(pr["patterns"][name]["seconds"]) == 2 for pr in per_rank)
+
+    def slowest(name: str) -> float:
+        return statistics.median(
+            max(pr["patterns"][name]["seconds"][i] for pr in per_rank) for i in range(2)
+        )
+
+    curve = butterfly_efficiency(per_rank, spec, 1e12, slowest)
+    # 4 ranks: three rounds of half the buffer each way
+    assert [b for b, _ in curve] == [s / 2 for s in sizes]
+    assert all(0 < e <= 1 for _, e in curve)
