@@ -15,7 +15,8 @@ inside the rank's namespace of an emulated cluster; not a public entry point).
   as an 8-byte length header then the payload, and its receiver posts the header's receive,
   waits for it, then posts the payload's and waits for that, piece after piece. A pattern
   named in the spec's ``ahead`` list posts each round's receives a round ahead, as the engine
-  does (a peer that finishes its round first sends its next round at once). Reported:
+  does (a peer that finishes its round first sends its next round at once); ``repeats_of``
+  gives a pattern its own number of repeats. Reported:
   each repeat's seconds (this rank), the seconds spent inside ``isend`` calls, and the
   process's CPU seconds (its threads and the system calls that move the bytes).
 """
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         ahead = name in spec.get("ahead", ())
         _pattern(args.rank, rounds, ahead)  # warm-up: the connections exist, TCP has ramped
         times, sends, cpus = [], [], []
-        for _ in range(int(spec["repeats"])):
+        for _ in range(int(spec.get("repeats_of", {}).get(name, spec["repeats"]))):
             t, s, c = _pattern(args.rank, rounds, ahead)
             times.append(t)
             sends.append(s)

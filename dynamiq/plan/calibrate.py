@@ -230,6 +230,10 @@ def exchange_sizes(n: int, nbytes: int) -> list[int]:
     return [b for _, b in exchange_rounds(n, nbytes)]
 
 
+#: repeats of each butterfly pattern of the network calibration
+BUTTERFLY_REPEATS = 7
+
+
 def butterfly_rounds(n: int, nbytes: int) -> list[tuple[int, int]]:
     """``(partner mask, bytes)`` of each round of the engine's butterfly over ``nbytes``: a
     recursive halving from the farthest partner in, then doubling back out, over the
@@ -389,7 +393,8 @@ def calibrate_network(
 ) -> dict[str, Any]:
     """Latency, goodput and send cost of the emulated cluster's links at each rate (module
     docstring). ``nbytes`` per stream: default 1.5 s of the rate's line time;
-    ``butterfly_mib``: the buffers of the engine's butterfly pattern."""
+    ``butterfly_mib``: the buffers of the engine's butterfly pattern, each run
+    :data:`BUTTERFLY_REPEATS` times (its time varies more from run to run than a stream's)."""
     from dynamiq.bench.netns import EmulatedCluster, check_available, parse_rate
 
     check_available()
@@ -412,6 +417,7 @@ def calibrate_network(
             "repeats": repeats,
             "patterns": link_patterns(ranks, size, piece, sizes),
             "ahead": [butterfly_pattern_name(b) for b in sizes],
+            "repeats_of": {butterfly_pattern_name(b): BUTTERFLY_REPEATS for b in sizes},
             "timeout": 300,
         }
         with EmulatedCluster(ranks, rate, delay_ms) as cl, tempfile.TemporaryDirectory() as tmp:

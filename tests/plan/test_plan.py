@@ -422,16 +422,18 @@ def test_the_link_worker_runs_the_butterfly_with_receives_posted_ahead() -> None
         "repeats": 2,
         "patterns": {n: pats[n] for n in names} | {"plain": pats[names[0]]},
         "ahead": names,
+        "repeats_of": {names[1]: 3},
         "timeout": 120,
     }
     with _Loopback(4) as cl, tempfile.TemporaryDirectory() as tmp:
         per_rank = _run_ranks(cl, spec, tmp, port=_free_port())
-    for name in [*names, "plain"]:
-        assert all(len(pr["patterns"][name]["seconds"]) == 2 for pr in per_rank)
+    for name, reps in [(names[0], 2), (names[1], 3), ("plain", 2)]:
+        assert all(len(pr["patterns"][name]["seconds"]) == reps for pr in per_rank)
 
     def slowest(name: str) -> float:
+        reps = len(per_rank[0]["patterns"][name]["seconds"])
         return statistics.median(
-            max(pr["patterns"][name]["seconds"][i] for pr in per_rank) for i in range(2)
+            max(pr["patterns"][name]["seconds"][i] for pr in per_rank) for i in range(reps)
         )
 
     curve = butterfly_efficiency(per_rank, spec, 1e12, slowest)
