@@ -88,15 +88,21 @@ def run_case(
     def body(r: int) -> dict[str, Any]:
         tr = Tracing(cl.transport(r), logs[r])
         kw: dict[str, Any] = {}
+        x = xs[r]
         if rounds == "rs":
             kw = {"rounds": (0, sched.reduce_rounds), "outputs": sched.owned_chunks(r)}
+            # the chunks it does not keep are never written: in place they hold the input
+            # (in a fresh buffer, whatever memory held), so the output's hash is the same
+            # from run to run
+            kw["inplace"] = True
+            x = xs[r].clone()
         elif rounds == "ag":
             kw = {"rounds": (sched.reduce_rounds, sched.num_rounds)}
         if LOCKSTEP:
             kw["overlap"] = False
         res = eng.run_schedule(
             tr,
-            xs[r],
+            x,
             c,
             sched,
             seed=11,
@@ -104,7 +110,8 @@ def run_case(
             sub_chunk=sub,
             return_bound=bound,
             timeout=60.0,
-            base_offset=64 if rounds == "all" else 0,
+            # (a pooled codec's prologue describes this buffer from its first value: no offset)
+            base_offset=64 if rounds == "all" and not callable(getattr(c, "prologue", None)) else 0,
             residual=res_t[r],
             **kw,
         )
