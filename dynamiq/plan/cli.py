@@ -234,6 +234,10 @@ def text_report(out: dict[str, Any], rounds: bool = False) -> str:
         f"{link['rate_bps'] / 1e9:g} Gb/s, alpha {link['latency_s'] * 1e6:.0f} us, efficiency "
         f"{link['efficiency']:.3f} ({link['source']}); kernels: {out['parameters']['kernels']}"
     )
+    if link.get("exchange_curve"):
+        head += "\nexchange rounds' efficiency by their bytes: " + ", ".join(
+            f"{b / 2**20:.3g} MiB {e:.3f}" for b, e in link["exchange_curve"]
+        )
     cols = (
         "codec",
         "schedule",

@@ -440,3 +440,17 @@ def test_the_link_worker_runs_the_butterfly_with_receives_posted_ahead() -> None
     # 4 ranks: three rounds of half the buffer each way
     assert [b for b, _ in curve] == [s / 2 for s in sizes]
     assert all(0 < e <= 1 for _, e in curve)
+
+
+def test_the_text_report_shows_the_emulated_links_exchange_curve(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # the shipped emulated table has the butterfly curve: the report says what it uses
+    args = ["--ranks", "4", "--rate", "1gbit", "--size-mib", "4", "--codecs", "int8"]
+    rc, out, _ = _plan(capsys, *args, "--schedules", "butterfly")
+    assert rc == 0
+    line = next(x for x in out.splitlines() if x.startswith("exchange rounds' efficiency"))
+    assert line.count("MiB") == 4
+    rc, out, _ = _plan(capsys, *args, "--schedules", "butterfly", "--json")
+    curve = json.loads(out)["parameters"]["link"]["exchange_curve"]
+    assert [round(b) for b, _ in curve] == [2**20, 2**22, 2**24, 2**25]
