@@ -551,7 +551,6 @@ def reduce_scatter(
     **keywords: Unpack[OptionKeywords],
 ) -> Shard | AllReduceHandle[Shard]: ...
 # per-call data beside the options: the caller-given layout (FSDP2) and error feedback
-@_eager
 def reduce_scatter(  # noqa: PLR0913
     tensor: torch.Tensor,
     codec: Any = None,
@@ -573,8 +572,14 @@ def reduce_scatter(  # noqa: PLR0913
     fixes the range rank ``r`` ends with (together a partition of the tensor, e.g. FSDP's
     ``[r·S, (r+1)·S)``); only schedules in which every rank completes exactly one chunk allow
     it (``ring``, power-of-two ``butterfly``). ``residual`` as in :func:`allreduce`.
+    Inside ``torch.compile`` the call is one op of the graph for a static size (the Shard's
+    ``stats`` then ``None``; a size dynamo made symbolic breaks the graph there), see
+    :mod:`dynamiq.collectives.traced`.
     """
     _check_tensor(tensor)
+    if torch.compiler.is_compiling():
+        config = (codec, schedule, group, options, async_op, transport, keywords)
+        return traced.reduce_scatter(tensor, residual, chunk_bounds, *config)
     opts = merge_options("reduce_scatter", options, codec=codec, schedule=schedule, **keywords)
     tr, owned = _transport(transport, group)
     numel = tensor.numel()
@@ -653,7 +658,6 @@ def all_gather(
     transport: Transport | None = ...,
     **keywords: Unpack[OptionKeywords],
 ) -> tuple[torch.Tensor, AllReduceStats] | AllReduceHandle[tuple[torch.Tensor, AllReduceStats]]: ...
-@_eager
 def all_gather(
     shard: Shard,
     codec: Any = None,
@@ -672,8 +676,12 @@ def all_gather(
     (same codec, schedule and ``sub_chunk``). ``op`` is not used (the shards are finished
     sums); ``threshold`` defaults to 0; the bound (``return_bound=True``) is the distance
     from the gathered shards. ``async_op=True`` returns a handle whose ``wait()`` gives the
-    pair.
+    pair. Inside ``torch.compile`` the call is one op of the graph and the stats are
+    ``None`` (as for :func:`reduce_scatter`).
     """
+    if torch.compiler.is_compiling():
+        config = (codec, schedule, group, options, async_op, transport, keywords)
+        return traced.all_gather(shard, *config)  # type: ignore[return-value]
     opts = merge_options("all_gather", options, codec=codec, schedule=schedule, **keywords)
     tr, owned = _transport(transport, group)
     c, sched = _resolve(opts, tr.world_size, shard.numel, 0)

@@ -1,4 +1,5 @@
-""":func:`~dynamiq.collectives.allreduce` inside ``torch.compile``: one ``torch.library`` op.
+""":func:`~dynamiq.collectives.allreduce` (and the halves, below) inside ``torch.compile``:
+one ``torch.library`` op.
 
 The engine is host-driven (byte buffers, ``.item()``, clocks, threads), so dynamo cannot trace
 it; instead, while dynamo traces :func:`~dynamiq.collectives.allreduce`, the call becomes one
@@ -20,6 +21,16 @@ Inside ``torch.compile`` the call returns ``None`` (the graph has no way to retu
 :class:`~dynamiq.collectives.AllReduceStats`); ``async_op=True`` is refused there. The op is
 marked as having side effects, so no compiler drops it, and every rank compiles the same
 program, so the ranks issue their collectives in the same order.
+
+:func:`~dynamiq.collectives.reduce_scatter` and :func:`~dynamiq.collectives.all_gather` are
+
+* ``dynamiq::reduce_scatter(Tensor tensor, Tensor(b!)? residual, str call) -> Tensor``
+  (the shard's values) and ``dynamiq::all_gather(Tensor values, str call) -> Tensor``,
+
+the same way, for a size that is static while dynamo traces: the ``Shard``'s ranges follow
+from the size, so :func:`_half_key` takes it and returns them with the key (the Shard's and
+all_gather's stats are ``None``). A size dynamo has made symbolic cannot be an argument of a
+constant result: dynamo then breaks the graph at the key and runs it eagerly.
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ __all__: list[str] = []
 
 _LIB = torch.library.Library("dynamiq", "FRAGMENT")
 _LIB.define("allreduce_(Tensor(a!) tensor, Tensor(b!)? residual, str call) -> ()")
+_LIB.define("reduce_scatter(Tensor tensor, Tensor(b!)? residual, str call) -> Tensor")
+_LIB.define("all_gather(Tensor values, str call) -> Tensor")
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,10 @@ class _Call:
     transport: Any
     options: CollectiveOptions | None
     keywords: dict[str, Any]
+    #: reduce_scatter / all_gather: the buffer's size, this rank's ranges, ``chunk_bounds``
+    numel: int = 0
+    ranges: tuple[tuple[int, int], ...] = ()
+    chunk_bounds: Any = None
 
 
 _CALLS: dict[str, _Call] = {}
@@ -67,6 +84,60 @@ def _group_name(group: Any) -> str | None:
     return name
 
 
+def _remember(
+    collective: str,
+    config: tuple[Any, ...],
+    numel: int = 0,
+    chunk_bounds: Any = None,
+    ranges: Any = None,
+) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """Check a traced call's configuration (``config``: :func:`_call_key`'s arguments) and
+    remember it under a new key; for the halves, this rank's ranges of ``numel`` values
+    (given ``ranges``, all_gather's shard, must be those)."""
+    codec, schedule, group, options, async_op, transport, keywords = config
+    if async_op:
+        raise ValueError(
+            f"{collective}(async_op=True) cannot run inside torch.compile: the graph's op "
+            "returns when the collective is done (call it synchronously, or outside the "
+            "compiled region)"
+        )
+    opts = merge_options(collective, options, codec=codec, schedule=schedule, **keywords)
+    from .api import _bounds_by_chunk, _owned_ranges, _resolve
+
+    group = getattr(group, "real_obj", group)  # dynamo hands a wrapper of the traced group
+    if transport is not None:
+        world, rank = transport.world_size, transport.rank
+    else:
+        dist = initialized_dist()
+        world, rank = int(dist.get_world_size(group)), int(dist.get_rank(group))
+    # the codec and the schedule: a bad one raises now
+    c, sched = _resolve(opts, world, numel, 0)
+    mine: tuple[tuple[int, int], ...] = ()
+    if collective != "allreduce":
+        per_chunk = None if chunk_bounds is None else _bounds_by_chunk(sched, chunk_bounds)
+        mine = tuple(_owned_ranges(sched, c, numel, opts.sub_chunk, rank, per_chunk)[1])
+        if ranges is not None and tuple(map(tuple, ranges)) != mine:
+            raise ValueError(
+                f"shard ranges {list(ranges)} are not the ranges rank {rank} owns under this "
+                f"codec, schedule and sub_chunk: {list(mine)}"
+            )
+    call = _Call(
+        codec,
+        schedule,
+        _group_name(group),
+        transport,
+        options,
+        dict(keywords),
+        numel,
+        mine,
+        chunk_bounds,
+    )
+    with _LOCK:
+        key = f"{collective}#{len(_CALLS)}"
+        _CALLS[key] = call
+    return key, mine
+
+
 def _call_key(
     codec: Any,
     schedule: Any,
@@ -76,31 +147,24 @@ def _call_key(
     transport: Any,
     keywords: dict[str, Any],
 ) -> str:
-    """Check a traced call's configuration and remember it: the key the graph holds."""
-    if async_op:
-        raise ValueError(
-            "allreduce(async_op=True) cannot run inside torch.compile: the graph's op returns "
-            "when the sum is done (call it synchronously, or outside the compiled region)"
-        )
-    opts = merge_options("allreduce", options, codec=codec, schedule=schedule, **keywords)
-    from .api import _resolve
+    """Check a traced allreduce's configuration and remember it: the key the graph holds."""
+    config = (codec, schedule, group, options, async_op, transport, keywords)
+    return _remember("allreduce", config)[0]
 
-    group = getattr(group, "real_obj", group)  # dynamo hands a wrapper of the traced group
-    if transport is not None:
-        world = transport.world_size
-    else:
-        world = int(initialized_dist().get_world_size(group))
-    _resolve(opts, world, 0, 0)  # the codec and the schedule: a bad one raises now
-    call = _Call(codec, schedule, _group_name(group), transport, options, dict(keywords))
-    with _LOCK:
-        key = f"allreduce#{len(_CALLS)}"
-        _CALLS[key] = call
-    return key
+
+def _half_key(
+    collective: str, numel: int, chunk_bounds: Any, ranges: Any, *config: Any
+) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """:func:`_call_key` for ``reduce_scatter`` and ``all_gather``: the key and this rank's
+    ranges of the buffer's ``numel`` values (a size dynamo has made symbolic cannot be
+    one: then dynamo breaks the graph there and the call runs eagerly)."""
+    return _remember(collective, config, numel, chunk_bounds, ranges)
 
 
 # dynamo runs it while tracing and puts its result in the graph as a constant (what
 # torch.compiler.assume_constant_result marks, without importing dynamo here)
 _call_key._dynamo_marked_constant = True  # type: ignore[attr-defined]
+_half_key._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, *config: Any) -> None:
@@ -110,20 +174,45 @@ def allreduce(tensor: torch.Tensor, residual: torch.Tensor | None, *config: Any)
     torch.ops.dynamiq.allreduce_.default(tensor, residual, key)
 
 
-def _allreduce_impl(tensor: torch.Tensor, residual: torch.Tensor | None, call: str) -> None:
+def reduce_scatter(
+    tensor: torch.Tensor, residual: torch.Tensor | None, chunk_bounds: Any, *config: Any
+) -> Any:
+    """What :func:`~dynamiq.collectives.reduce_scatter` is while dynamo traces it: the op
+    gives the shard's values; its ranges are fixed by the size (no stats)."""
+    from .api import Shard
+
+    numel = tensor.numel()
+    key, ranges = _half_key("reduce_scatter", numel, chunk_bounds, None, *config)
+    values = torch.ops.dynamiq.reduce_scatter.default(tensor, residual, key)
+    return Shard(values, list(ranges), numel, None)
+
+
+def all_gather(shard: Any, *config: Any) -> tuple[torch.Tensor, None]:
+    """What :func:`~dynamiq.collectives.all_gather` is while dynamo traces it (no stats)."""
+    key, _ = _half_key("all_gather", shard.numel, None, shard.ranges, *config)
+    return torch.ops.dynamiq.all_gather.default(shard.values, key), None
+
+
+def _traced(call: str, op: str) -> tuple[_Call, Any]:
+    """The remembered call ``call`` and its process group (``None``: the default)."""
     got = _CALLS.get(call)
     if got is None:
         raise RuntimeError(
-            f"dynamiq::allreduce_ was given the call {call!r}, which this process never traced: "
+            f"dynamiq::{op} was given the call {call!r}, which this process never traced: "
             "a graph holding dynamiq's collectives runs only in the process that compiled it"
         )
-    from .api import allreduce as eager
-
     group = None
     if got.group_name is not None:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         group = _resolve_process_group(got.group_name)  # type: ignore[arg-type]  # a str
+    return got, group
+
+
+def _allreduce_impl(tensor: torch.Tensor, residual: torch.Tensor | None, call: str) -> None:
+    got, group = _traced(call, "allreduce_")
+    from .api import allreduce as eager
+
     eager(
         tensor,
         got.codec,
@@ -140,6 +229,60 @@ def _allreduce_fake(tensor: torch.Tensor, residual: torch.Tensor | None, call: s
     return None
 
 
+def _reduce_scatter_impl(
+    tensor: torch.Tensor, residual: torch.Tensor | None, call: str
+) -> torch.Tensor:
+    got, group = _traced(call, "reduce_scatter")
+    from .api import reduce_scatter as eager
+
+    shard = eager(
+        tensor,
+        got.codec,
+        got.schedule,
+        group,
+        options=got.options,
+        transport=got.transport,
+        chunk_bounds=got.chunk_bounds,
+        residual=residual,
+        **got.keywords,
+    )
+    return shard.values
+
+
+def _reduce_scatter_fake(
+    tensor: torch.Tensor, residual: torch.Tensor | None, call: str
+) -> torch.Tensor:
+    n = sum(b - a for a, b in _traced(call, "reduce_scatter")[0].ranges)
+    return tensor.new_empty(n, dtype=torch.float32)
+
+
+def _all_gather_impl(values: torch.Tensor, call: str) -> torch.Tensor:
+    got, group = _traced(call, "all_gather")
+    from .api import Shard
+    from .api import all_gather as eager
+
+    shard = Shard(values, list(got.ranges), got.numel, None)
+    out, _ = eager(
+        shard,
+        got.codec,
+        got.schedule,
+        group,
+        options=got.options,
+        transport=got.transport,
+        **got.keywords,
+    )
+    return out
+
+
+def _all_gather_fake(values: torch.Tensor, call: str) -> torch.Tensor:
+    return values.new_empty(_traced(call, "all_gather")[0].numel, dtype=torch.float32)
+
+
 _LIB.impl("allreduce_", _allreduce_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("dynamiq::allreduce_", _allreduce_fake, lib=_LIB)
-torch.fx.node.has_side_effect(torch.ops.dynamiq.allreduce_.default)
+_LIB.impl("reduce_scatter", _reduce_scatter_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("dynamiq::reduce_scatter", _reduce_scatter_fake, lib=_LIB)
+_LIB.impl("all_gather", _all_gather_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("dynamiq::all_gather", _all_gather_fake, lib=_LIB)
+for _op in ("allreduce_", "reduce_scatter", "all_gather"):
+    torch.fx.node.has_side_effect(getattr(torch.ops.dynamiq, _op).default)

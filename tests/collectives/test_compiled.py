@@ -2,9 +2,10 @@
 
 :func:`allreduce` is one op of the graph (``dynamiq::allreduce_``, :mod:`dynamiq.collectives.
 traced`), so a step that calls it compiles whole (``fullgraph=True``) and gives the eager
-result, bit for bit, on every rank. The other collectives are host-driven (byte buffers,
-``.item()``, clocks, threads) and return what a graph cannot (shards, per-rank results), so they
-are a graph break: dynamo compiles the code around them and runs them eagerly, with dynamo off
+result, bit for bit, on every rank; so are :func:`reduce_scatter` and :func:`all_gather` for a
+size that is static while dynamo traces. :func:`simulate_allreduce` is host-driven (byte
+buffers, ``.item()``, clocks, threads) and returns what a graph cannot (per-rank results), so
+it is a graph break: dynamo compiles the code around it and runs it eagerly, with dynamo off
 inside (``dynamiq.collectives.api._eager``); the result is the eager one, bit for bit
 (docs/design.md, "Kernels")."""
 
@@ -165,3 +166,105 @@ def test_a_bad_traced_allreduce_raises_while_compiling() -> None:
 def test_a_graph_from_elsewhere_names_its_unknown_call() -> None:
     with pytest.raises(RuntimeError, match="never traced"):
         ALLREDUCE(torch.ones(4), None, "allreduce#-1")
+
+
+# -- reduce_scatter and all_gather: ops of the graph for a static size ---------------------------
+
+HALVES = {torch.ops.dynamiq.reduce_scatter.default, torch.ops.dynamiq.all_gather.default}
+
+
+def _halves_step(
+    x: torch.Tensor, residual: torch.Tensor, codec: str, schedule: str
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    from dynamiq.collectives import all_gather, reduce_scatter
+
+    y = x * 2.0  # compiled
+    shard = reduce_scatter(y, codec, schedule, seed=5, residual=residual, threshold=0)
+    full, _ = all_gather(shard, codec, schedule, seed=5, threshold=0)
+    return shard.values + 1.0, full * 0.5, shard.ranges  # compiled
+
+
+def _halves_job(rank: int, world: int, dynamic: bool) -> list[Any]:
+    out = []
+    fn = None
+    for codec, schedule, n in (("int8", "ring", 5000), ("dynamiq", "butterfly", 6000)):
+        for size in (n, n + 512) if dynamic else (n,):
+            g = torch.Generator().manual_seed(10 * rank + size)
+            x = torch.randn(size, generator=g) * (1 + rank)
+            r_eager, r_compiled = torch.zeros(size), torch.zeros(size)
+            want = _halves_step(x, r_eager, codec, schedule)
+            targets: set[Any] = set()
+
+            def record(gm: torch.fx.GraphModule, inputs: Any, targets: set[Any] = targets) -> Any:
+                targets.update(node.target for node in gm.graph.nodes)
+                return gm.forward
+
+            if fn is None or not dynamic:
+                torch._dynamo.reset()
+                # a static size: one graph, the halves in it; automatic dynamic shapes: the
+                # second size is symbolic and the halves break the graph (still eager bytes)
+                fn = torch.compile(
+                    _halves_step, backend=record, fullgraph=not dynamic, dynamic=None
+                )
+            got = fn(x, r_compiled, codec, schedule)
+            out.append(
+                {
+                    "codec": codec,
+                    "size": size,
+                    "same": all(torch.equal(a, b) for a, b in zip(want[:2], got[:2], strict=True)),
+                    "same_ranges": list(map(tuple, got[2])) == list(map(tuple, want[2])),
+                    "same_residual": torch.equal(r_eager, r_compiled),
+                    "residual_moved": bool(r_eager.abs().sum() > 0),
+                    "ops_in_graph": targets >= HALVES,
+                    "full": got[1],
+                }
+            )
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_reduce_scatter_and_all_gather_compile_into_the_graph(dynamic: bool) -> None:
+    """Two gloo ranks: ``reduce_scatter`` then ``all_gather`` in one ``fullgraph`` graph,
+    their shards, ranges, gathered sums and residuals the eager ones bit for bit; with a
+    second, symbolic size the same results through graph breaks."""
+    results = run_gloo(_halves_job, 2, dynamic, timeout=900)
+    assert all(s == "ok" for s, _ in results), results
+    for _, rows in results:
+        for row in rows:
+            assert row["same"] and row["same_ranges"] and row["same_residual"], row
+            assert row["residual_moved"], row["codec"]
+            if not dynamic:
+                assert row["ops_in_graph"], row["codec"]
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert torch.equal(a["full"], b["full"]), a["codec"]
+
+
+def test_a_bad_traced_half_raises_while_compiling() -> None:
+    """The halves' configuration is checked while dynamo traces them: an async call, a
+    shard whose ranges are not this rank's, a call with no process group; and a graph from
+    another process names its unknown call."""
+    from dynamiq.collectives import Shard, all_gather, reduce_scatter
+    from dynamiq.collectives.transport import LocalCluster
+
+    tr = LocalCluster(2).transport(0)
+
+    def async_call(x: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter(x, "int8", transport=tr, async_op=True).values  # type: ignore[union-attr]
+
+    def wrong_ranges(x: torch.Tensor) -> torch.Tensor:
+        return all_gather(Shard(x[:10], [(0, 10)], 4096), "int8", transport=tr)[0]  # type: ignore[index]
+
+    def no_group(x: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter(x, "int8").values  # type: ignore[union-attr]
+
+    for fn, match in (
+        (async_call, r"reduce_scatter\(async_op=True\) cannot run inside torch.compile"),
+        (wrong_ranges, r"shard ranges \[\(0, 10\)\] are not the ranges rank 0 owns"),
+        (no_group, "torch.distributed is not initialized"),
+    ):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=match):
+            torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(4096))
+    with pytest.raises(RuntimeError, match="never traced"):
+        torch.ops.dynamiq.all_gather.default(torch.ones(4), "all_gather#-1")
