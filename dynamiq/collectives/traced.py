@@ -24,12 +24,14 @@ program, so the ranks issue their collectives in the same order.
 
 :func:`~dynamiq.collectives.reduce_scatter` and :func:`~dynamiq.collectives.all_gather` are
 
-* ``dynamiq::reduce_scatter(Tensor tensor, Tensor(b!)? residual, str call) -> Tensor``
-  (the shard's values) and ``dynamiq::all_gather(Tensor values, str call) -> Tensor``,
+* ``dynamiq::reduce_scatter_(Tensor tensor, Tensor(a!) out, Tensor(b!)? residual, str call)
+  -> ()`` (``out``: the shard's values) and ``dynamiq::all_gather_(Tensor values, Tensor(a!)
+  out, str call) -> ()`` (``out``: the gathered buffer),
 
 the same way, for a size that is static while dynamo traces: the ``Shard``'s ranges follow
-from the size, so :func:`_half_key` takes it and returns them with the key (the Shard's and
-all_gather's stats are ``None``). A size dynamo has made symbolic cannot be an argument of a
+from the size, so :func:`_half_key` takes it and returns them with the key, and the graph
+allocates ``out`` (ops that only mutate, as ``allreduce_``: inductor takes them; the Shard's
+and all_gather's stats are ``None``). A size dynamo has made symbolic cannot be an argument of a
 constant result: dynamo then breaks the graph at the key and runs it eagerly.
 """
 
@@ -48,8 +50,8 @@ __all__: list[str] = []
 
 _LIB = torch.library.Library("dynamiq", "FRAGMENT")
 _LIB.define("allreduce_(Tensor(a!) tensor, Tensor(b!)? residual, str call) -> ()")
-_LIB.define("reduce_scatter(Tensor tensor, Tensor(b!)? residual, str call) -> Tensor")
-_LIB.define("all_gather(Tensor values, str call) -> Tensor")
+_LIB.define("reduce_scatter_(Tensor tensor, Tensor(a!) out, Tensor(b!)? residual, str call) -> ()")
+_LIB.define("all_gather_(Tensor values, Tensor(a!) out, str call) -> ()")
 
 
 @dataclass(frozen=True)
@@ -183,14 +185,17 @@ def reduce_scatter(
 
     numel = tensor.numel()
     key, ranges = _half_key("reduce_scatter", numel, chunk_bounds, None, *config)
-    values = torch.ops.dynamiq.reduce_scatter.default(tensor, residual, key)
+    values = tensor.new_empty(sum(b - a for a, b in ranges), dtype=torch.float32)
+    torch.ops.dynamiq.reduce_scatter_.default(tensor, values, residual, key)
     return Shard(values, list(ranges), numel, None)
 
 
 def all_gather(shard: Any, *config: Any) -> tuple[torch.Tensor, None]:
     """What :func:`~dynamiq.collectives.all_gather` is while dynamo traces it (no stats)."""
     key, _ = _half_key("all_gather", shard.numel, None, shard.ranges, *config)
-    return torch.ops.dynamiq.all_gather.default(shard.values, key), None
+    out = shard.values.new_empty(shard.numel, dtype=torch.float32)
+    torch.ops.dynamiq.all_gather_.default(shard.values, out, key)
+    return out, None
 
 
 def _traced(call: str, op: str) -> tuple[_Call, Any]:
@@ -230,9 +235,9 @@ def _allreduce_fake(tensor: torch.Tensor, residual: torch.Tensor | None, call: s
 
 
 def _reduce_scatter_impl(
-    tensor: torch.Tensor, residual: torch.Tensor | None, call: str
-) -> torch.Tensor:
-    got, group = _traced(call, "reduce_scatter")
+    tensor: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, call: str
+) -> None:
+    got, group = _traced(call, "reduce_scatter_")
     from .api import reduce_scatter as eager
 
     shard = eager(
@@ -246,23 +251,22 @@ def _reduce_scatter_impl(
         residual=residual,
         **got.keywords,
     )
-    return shard.values
+    out.copy_(shard.values)
 
 
 def _reduce_scatter_fake(
-    tensor: torch.Tensor, residual: torch.Tensor | None, call: str
-) -> torch.Tensor:
-    n = sum(b - a for a, b in _traced(call, "reduce_scatter")[0].ranges)
-    return tensor.new_empty(n, dtype=torch.float32)
+    tensor: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, call: str
+) -> None:
+    return None
 
 
-def _all_gather_impl(values: torch.Tensor, call: str) -> torch.Tensor:
-    got, group = _traced(call, "all_gather")
+def _all_gather_impl(values: torch.Tensor, out: torch.Tensor, call: str) -> None:
+    got, group = _traced(call, "all_gather_")
     from .api import Shard
     from .api import all_gather as eager
 
     shard = Shard(values, list(got.ranges), got.numel, None)
-    out, _ = eager(
+    full, _ = eager(
         shard,
         got.codec,
         got.schedule,
@@ -271,18 +275,18 @@ def _all_gather_impl(values: torch.Tensor, call: str) -> torch.Tensor:
         transport=got.transport,
         **got.keywords,
     )
-    return out
+    out.copy_(full)
 
 
-def _all_gather_fake(values: torch.Tensor, call: str) -> torch.Tensor:
-    return values.new_empty(_traced(call, "all_gather")[0].numel, dtype=torch.float32)
+def _all_gather_fake(values: torch.Tensor, out: torch.Tensor, call: str) -> None:
+    return None
 
 
 _LIB.impl("allreduce_", _allreduce_impl, "CompositeExplicitAutograd")
 torch.library.register_fake("dynamiq::allreduce_", _allreduce_fake, lib=_LIB)
-_LIB.impl("reduce_scatter", _reduce_scatter_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("dynamiq::reduce_scatter", _reduce_scatter_fake, lib=_LIB)
-_LIB.impl("all_gather", _all_gather_impl, "CompositeExplicitAutograd")
-torch.library.register_fake("dynamiq::all_gather", _all_gather_fake, lib=_LIB)
-for _op in ("allreduce_", "reduce_scatter", "all_gather"):
+_LIB.impl("reduce_scatter_", _reduce_scatter_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("dynamiq::reduce_scatter_", _reduce_scatter_fake, lib=_LIB)
+_LIB.impl("all_gather_", _all_gather_impl, "CompositeExplicitAutograd")
+torch.library.register_fake("dynamiq::all_gather_", _all_gather_fake, lib=_LIB)
+for _op in ("allreduce_", "reduce_scatter_", "all_gather_"):
     torch.fx.node.has_side_effect(getattr(torch.ops.dynamiq, _op).default)

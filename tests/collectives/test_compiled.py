@@ -170,7 +170,7 @@ def test_a_graph_from_elsewhere_names_its_unknown_call() -> None:
 
 # -- reduce_scatter and all_gather: ops of the graph for a static size ---------------------------
 
-HALVES = {torch.ops.dynamiq.reduce_scatter.default, torch.ops.dynamiq.all_gather.default}
+HALVES = {torch.ops.dynamiq.reduce_scatter_.default, torch.ops.dynamiq.all_gather_.default}
 
 
 def _halves_step(
@@ -184,7 +184,9 @@ def _halves_step(
     return shard.values + 1.0, full * 0.5, shard.ranges  # compiled
 
 
-def _halves_job(rank: int, world: int, dynamic: bool) -> list[Any]:
+def _halves_job(rank: int, world: int, dynamic: bool, backend: str) -> list[Any]:
+    from torch._dynamo.backends.registry import lookup_backend
+
     out = []
     fn = None
     for codec, schedule, n in (("int8", "ring", 5000), ("dynamiq", "butterfly", 6000)):
@@ -197,7 +199,7 @@ def _halves_job(rank: int, world: int, dynamic: bool) -> list[Any]:
 
             def record(gm: torch.fx.GraphModule, inputs: Any, targets: set[Any] = targets) -> Any:
                 targets.update(node.target for node in gm.graph.nodes)
-                return gm.forward
+                return lookup_backend(backend)(gm, inputs)
 
             if fn is None or not dynamic:
                 torch._dynamo.reset()
@@ -223,12 +225,14 @@ def _halves_job(rank: int, world: int, dynamic: bool) -> list[Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_reduce_scatter_and_all_gather_compile_into_the_graph(dynamic: bool) -> None:
+@pytest.mark.parametrize(
+    ("dynamic", "backend"), [(False, "eager"), (False, "inductor"), (True, "aot_eager")]
+)
+def test_reduce_scatter_and_all_gather_compile_into_the_graph(dynamic: bool, backend: str) -> None:
     """Two gloo ranks: ``reduce_scatter`` then ``all_gather`` in one ``fullgraph`` graph,
     their shards, ranges, gathered sums and residuals the eager ones bit for bit; with a
     second, symbolic size the same results through graph breaks."""
-    results = run_gloo(_halves_job, 2, dynamic, timeout=900)
+    results = run_gloo(_halves_job, 2, dynamic, backend, timeout=900)
     assert all(s == "ok" for s, _ in results), results
     for _, rows in results:
         for row in rows:
@@ -267,4 +271,4 @@ def test_a_bad_traced_half_raises_while_compiling() -> None:
         with pytest.raises(Exception, match=match):
             torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(4096))
     with pytest.raises(RuntimeError, match="never traced"):
-        torch.ops.dynamiq.all_gather.default(torch.ones(4), "all_gather#-1")
+        torch.ops.dynamiq.all_gather_.default(torch.ones(4), torch.ones(8), "all_gather#-1")
