@@ -214,20 +214,24 @@ def _traced(call: str, op: str) -> tuple[_Call, Any]:
     return got, group
 
 
-def _allreduce_impl(tensor: torch.Tensor, residual: torch.Tensor | None, call: str) -> None:
-    got, group = _traced(call, "allreduce_")
-    from .api import allreduce as eager
-
-    eager(
-        tensor,
+def _eager_call(got: _Call, group: Any, fn: Any, first: Any, **extra: Any) -> Any:
+    """``fn`` (the eager collective) on ``first`` with the remembered configuration."""
+    return fn(
+        first,
         got.codec,
         got.schedule,
         group,
         options=got.options,
         transport=got.transport,
-        residual=residual,
+        **extra,
         **got.keywords,
     )
+
+
+def _allreduce_impl(tensor: torch.Tensor, residual: torch.Tensor | None, call: str) -> None:
+    from .api import allreduce
+
+    _eager_call(*_traced(call, "allreduce_"), allreduce, tensor, residual=residual)
 
 
 def _allreduce_fake(tensor: torch.Tensor, residual: torch.Tensor | None, call: str) -> None:
@@ -237,20 +241,11 @@ def _allreduce_fake(tensor: torch.Tensor, residual: torch.Tensor | None, call: s
 def _reduce_scatter_impl(
     tensor: torch.Tensor, out: torch.Tensor, residual: torch.Tensor | None, call: str
 ) -> None:
-    got, group = _traced(call, "reduce_scatter_")
-    from .api import reduce_scatter as eager
+    from .api import reduce_scatter
 
-    shard = eager(
-        tensor,
-        got.codec,
-        got.schedule,
-        group,
-        options=got.options,
-        transport=got.transport,
-        chunk_bounds=got.chunk_bounds,
-        residual=residual,
-        **got.keywords,
-    )
+    got, group = _traced(call, "reduce_scatter_")
+    bounds = got.chunk_bounds
+    shard = _eager_call(got, group, reduce_scatter, tensor, chunk_bounds=bounds, residual=residual)
     out.copy_(shard.values)
 
 
@@ -261,20 +256,10 @@ def _reduce_scatter_fake(
 
 
 def _all_gather_impl(values: torch.Tensor, out: torch.Tensor, call: str) -> None:
-    got, group = _traced(call, "all_gather_")
-    from .api import Shard
-    from .api import all_gather as eager
+    from .api import Shard, all_gather
 
-    shard = Shard(values, list(got.ranges), got.numel, None)
-    full, _ = eager(
-        shard,
-        got.codec,
-        got.schedule,
-        group,
-        options=got.options,
-        transport=got.transport,
-        **got.keywords,
-    )
+    got, group = _traced(call, "all_gather_")
+    full, _ = _eager_call(got, group, all_gather, Shard(values, list(got.ranges), got.numel))
     out.copy_(full)
 
 
