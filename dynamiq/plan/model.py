@@ -279,9 +279,11 @@ def _make_msgs(plan: Any, pieces: Any, n: int) -> tuple[dict[tuple[Any, ...], _M
     exact = True
     for r in range(n):
         mine: list[_Msg] = []  # this run of rounds to one peer (the engine sends them on)
+        runs = [mine]
         for k, rnd in enumerate(plan[r]):
             if k and plan[r][k - 1].send_to != rnd.send_to:
                 mine = []
+                runs.append(mine)
             for op in rnd.sends:
                 assert rnd.send_to is not None
                 for j, (a, b) in enumerate(pieces[op.chunk]):
@@ -292,6 +294,9 @@ def _make_msgs(plan: Any, pieces: Any, n: int) -> tuple[dict[tuple[Any, ...], _M
                     mine.append(m)
             for m in mine:
                 m.round_bytes = sum(x.nbytes for x in mine)
+        if len([run for run in runs if run]) == 1:  # one partner all along: no switch (the
+            for m in runs[-1]:  # curve is a switch's cost), the link's exchange efficiency
+                m.round_bytes = 0
     return msgs, exact
 
 

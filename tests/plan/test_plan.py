@@ -120,6 +120,15 @@ def test_butterfly_rounds_take_the_curve_at_their_bytes() -> None:
     ring = simulate("fp32", "ring", ex, numel, ZERO, LOCKSTEP, sub_chunk=numel)
     ring0 = simulate("fp32", "ring", plain, numel, ZERO, LOCKSTEP, sub_chunk=numel)
     assert ring.seconds == ring0.seconds
+    # two ranks exchange with one partner all along (no switch): the link's own efficiency
+    pair = Cluster(2, Link(rate, alpha, exchange_efficiency=0.8, exchange_curve=curve))
+    one = Cluster(2, Link(rate, alpha, exchange_efficiency=0.8))
+    for sched in ("ring", "butterfly"):
+        got = simulate("fp32", sched, pair, numel, ZERO, LOCKSTEP, sub_chunk=numel)
+        assert (
+            got.seconds
+            == simulate("fp32", sched, one, numel, ZERO, LOCKSTEP, sub_chunk=numel).seconds
+        )
 
 
 def test_a_late_notice_waits_behind_the_receivers_own_data() -> None:
