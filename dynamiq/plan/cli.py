@@ -143,7 +143,8 @@ def _add_calibrate(psub: Any) -> None:
         description="Microbenchmarks for `dynamiq plan`: --kernels times every codec's "
         "encode, fused reduce and decode on this CPU (two sizes: per-call overhead and time "
         "per value); --network builds the emulated cluster (root) and measures a ping-pong "
-        "(latency), a stream (goodput, isend time) and exchanges; --host runs every codec's "
+        "(latency), a stream (goodput, isend time), exchanges and the engine's butterfly over "
+        "2-64 MiB (the exchange curve; ~4 min at 100mbit,1gbit); --host runs every codec's "
         "all-reduce on --ranks local processes over loopback and records their CPU (the "
         "CPU floor of ranks sharing this machine). Prints JSON.",
     )
