@@ -182,15 +182,16 @@ def test_default_config_several_spans() -> None:
     check_all(codec, x, local, CTX_PAIRS[0], "default")
 
 
-@pytest.mark.parametrize("group", [8, 16, 32])
+@pytest.mark.parametrize("group, span", [(8, 256), (16, 256), (32, 256), (8, 1024), (4, 2048)])
 @pytest.mark.parametrize("bits", [0.5, 1.0, 2.0, 3.3, 4.62, 5.5, 7.0, 7.97, 8.0])
-def test_one_super_group_spans_at_every_budget(group: int, bits: float) -> None:
+def test_one_super_group_spans_at_every_budget(group: int, span: int, bits: float) -> None:
     """Spans of one super-group of full groups (the default's shape: its own widths code,
-    ``widths_one_sg``) from a budget of a few groups' bits to every group at 8 bits, with
-    a short last span of whole groups (the same code) and one with a short last group (the
-    general code); edge values give groups of equal codes, so thresholds tie and groups rise."""
-    codec = dq(span=256, super_group=256, group=group, pooling="span", bits=bits)
-    for k, n in enumerate((3 * 256 + 3 * group, 3 * 256 + 3 * group + 2)):
+    ``widths_one_sg``, up to 255 groups; 512 groups of 4 take the general code) from a
+    budget of a few groups' bits to every group at 8 bits, with a short last span of whole
+    groups (the same code) and one with a short last group (the general code); edge values
+    give groups of equal codes, so thresholds tie and groups rise."""
+    codec = dq(span=span, super_group=span, group=group, pooling="span", bits=bits)
+    for k, n in enumerate((3 * span + 3 * group, 3 * span + 3 * group + 2)):
         x = random_values(n, k + int(8 * bits))
         edge = edge_values(n, 256, k + group).to(DTYPES[k])
         check_all(codec, x, edge, CTX_PAIRS[0], f"group {group} bits {bits} n {n} random")
@@ -401,8 +402,8 @@ def test_thread_count_does_not_change_the_bytes(monkeypatch: pytest.MonkeyPatch)
     [
         # ~12-19 s: a second full compile of the kernels
         pytest.param("-DDQ_PORTABLE", marks=pytest.mark.slow, id="portable"),
-        # the AVX2 code of machines without AVX-512 (dynamiq_avx2.h, widths_one_sg's AVX2
-        # masks): where the compiler targets x86 with AVX2, else the portable loops again
+        # the AVX2 code of machines without AVX-512 (dynamiq_avx2.h): where the compiler
+        # targets x86 with AVX2, else the portable loops again
         pytest.param("-mno-avx512f", id="avx2"),
     ],
 )

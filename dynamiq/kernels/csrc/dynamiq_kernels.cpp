@@ -65,6 +65,7 @@ constexpr int CELLS = 1024;            // cells per unit of [-1, 1] (_CELLS)
 constexpr int NCELL = 2 * CELLS + 1;   // row stride of the cell tables
 constexpr int E_MAX = 15;              // group codes are 4 bits
 constexpr int32_t DEAD = INT32_MIN;    // the level of a group that gets no bits
+constexpr int PAIRS = MAX_W * (E_MAX + 1);  // (width, group code) pairs (widths_one_sg)
 
 enum { ROUND_NEAREST = 0, ROUND_STOCHASTIC = 1, ROUND_CORRELATED = 2 };
 
@@ -91,6 +92,9 @@ struct DynJob {
   // threshold tau (how many Q[w] >= tau - 8 L) and whether its next bit is worth tau - 1
   int32_t d_max, pad;  // pad: how far the widths' cost looks past the levels (in levels)
   uint8_t w_of_d[256], r_of_d[256];
+  // the pairs (w, e) by falling priority Q[w] - 8 e (ties: any order): e and the priority
+  uint8_t pair_e[PAIRS];
+  int32_t pair_p[PAIRS];
   float steps[E_MAX + 1], powers[E_MAX + 1];
   const void* x;
   const uint8_t* in;
@@ -177,88 +181,60 @@ struct Scratch {
 // -- widths -----------------------------------------------------------------------------------
 
 // widths() for a span of one live super-group of full groups (the default span of 256): the
-// priorities 8 L + Q[w] less the super-group's 8 k floor(log2 S) are Q[w] - 8 e, at most 32
-// groups of 8 in int16, which the compiler vectorizes. With every group the same size g, a
-// threshold t fits the budget iff at most K = budget / g priorities are >= t, so tau is the
-// smallest such t (a search on the count; with K at least all of them, any t at or below
-// the least one: every width 8, nothing rises, as the reference's tau = the least gives).
-// With Q falling, a group's width is its count of priorities >= tau, and its next bit is
-// worth tau - 1 iff one of its priorities is tau - 1; the leftover bits take the first
-// left / g rising groups. false: not such a span (the general code runs).
+// priorities 8 L + Q[w] less the super-group's 8 k floor(log2 S) are Q[w] - 8 e. With every
+// group the same size g, a threshold t fits the budget iff at most K = budget / g priorities
+// are >= t, so tau is the smallest such t: one more than the (K + 1)-th largest priority (with
+// K at least all of them, the search's floor q_lo - 8 E_MAX: every width 8, nothing rises, as
+// the reference's tau = the least gives). The priorities are the pairs (w, e) weighted by the
+// count of groups of code e, so the (K + 1)-th largest is found by walking the job's pairs in
+// falling priority (j.pair_e, j.pair_p) and summing those counts. With Q falling, a group's
+// width is its count of priorities >= tau and its next bit is worth tau - 1 iff one of its
+// priorities is tau - 1 (w_of_d, r_of_d at d = tau + 8 e - q_lo); the leftover bits take the
+// first left / g rising groups. false: not such a span (the general code runs).
 bool widths_one_sg(const DynJob& j, const Geo& G, int64_t budget, Scratch& sc) {
-  if (!j.pooled || !j.q_falls || G.n_sg != 1 || G.last != j.g || G.n_g > 32) return false;
+  if (!j.pooled || !j.q_falls || G.n_sg != 1 || G.last != j.g) return false;
   const float S = sc.S[0];
   if (!(std::isfinite(S) && S > 0.0f)) return false;
-  const int n_g = (int)G.n_g, n = n_g * MAX_W, words = (n_g + 7) / 8;
+  const int64_t n_g = G.n_g;
   const uint8_t* __restrict e = sc.e.data();
-  // P[8 gi + ww], padded to 32 groups with the least int16 (below every threshold tried)
-  alignas(64) int16_t P[32 * MAX_W];
-  for (int i = n; i < 32 * MAX_W; i++) P[i] = INT16_MIN;
-  for (int gi = 0; gi < n_g; gi++)
-    for (int ww = 0; ww < MAX_W; ww++) P[gi * MAX_W + ww] = (int16_t)(j.q[ww] - 8 * e[gi]);
-  // ge(q, t): bit 8 i + ww is P[8 (8 q + i) + ww] >= t, for the groups 8 q .. 8 q + 7
-#if defined(DQ_VECTOR)
-  const int nreg = (n + 31) / 32;  // 4 groups a register
-  __m512i pv[8];
-  for (int r = 0; r < nreg; r++) pv[r] = _mm512_load_si512((const void*)(P + 32 * r));
-  auto ge = [&](int q, int32_t t) {
-    const __m512i tv = _mm512_set1_epi16((int16_t)t);
-    uint64_t a = _mm512_cmpge_epi16_mask(pv[2 * q], tv);
-    if (2 * q + 1 < nreg) a |= (uint64_t)_mm512_cmpge_epi16_mask(pv[2 * q + 1], tv) << 32;
-    return a;
-  };
-#elif defined(DQ_AVX2)
-  const int nreg = (n + 15) / 16;  // 2 groups a register
-  __m256i pv[16];
-  for (int r = 0; r < nreg; r++) pv[r] = _mm256_load_si256((const __m256i*)(P + 16 * r));
-  auto ge = [&](int q, int32_t t) {  // P > t - 1, two mask bits a lane, one kept
-    const __m256i tv = _mm256_set1_epi16((int16_t)(t - 1));
-    uint64_t a = 0;
-    for (int h = 0; h < 4 && 4 * q + h < nreg; h++) {
-      const uint32_t m = (uint32_t)_mm256_movemask_epi8(_mm256_cmpgt_epi16(pv[4 * q + h], tv));
-      a |= (uint64_t)_pext_u32(m, 0x55555555u) << (16 * h);
-    }
-    return a;
-  };
-#else
-  auto ge = [&](int q, int32_t t) {
-    uint64_t a = 0;
-    for (int i = 0; i < 64; i++) a |= (uint64_t)(P[64 * q + i] >= t) << i;
-    return a;
-  };
-#endif
-  auto count = [&](int32_t t) {
-    int32_t c = 0;
-    for (int q = 0; q < words; q++) c += __builtin_popcountll(ge(q, t));
-    return c;
-  };
+  if (n_g > 255) return false;
+  // the count of groups of each code: bytes of two words (adds of registers, not of memory:
+  // neighbouring groups often share a code, and a histogram in memory would wait on itself)
+  uint64_t c_lo = 0, c_hi = 0;
+  for (int64_t gi = 0; gi < n_g; gi++) {
+    const uint64_t one = 1ull << (8 * (e[gi] & 7)), hi = 0 - (uint64_t)(e[gi] >> 3);
+    c_hi += one & hi;
+    c_lo += one & ~hi;
+  }
+  uint8_t count[E_MAX + 1];
+  std::memcpy(count, &c_lo, 8);
+  std::memcpy(count + 8, &c_hi, 8);
   const int64_t K = budget / j.g;
-  int32_t lo = j.q_lo - 8 * E_MAX, hi = j.q_hi + 1;  // every priority is in [lo, hi)
-  while (lo < hi) {
-    const int32_t mid = lo + ((hi - lo) >> 1);
-    const bool fits = count(mid) <= K;
-    hi = fits ? mid : hi;
-    lo = fits ? lo : mid + 1;
+  int32_t tau = j.q_lo - 8 * E_MAX;  // K >= every priority: the floor
+  if (K < n_g * MAX_W) {
+    int64_t seen = 0;
+    for (int i = 0; i < PAIRS; i++) {
+      seen += count[j.pair_e[i]];
+      if (seen > K) {
+        tau = j.pair_p[i] + 1;
+        break;
+      }
+    }
   }
-  // a group's width: the bits of its byte of ge (a popcount of each byte); it rises iff one
-  // of its priorities is tau - 1
   uint8_t* __restrict w = sc.w.data();
-  int64_t used = 0;
-  uint32_t rise = 0;
-  for (int q = 0; q < words; q++) {
-    uint64_t x = ge(q, lo);
-    const uint64_t at = ge(q, lo - 1) ^ x;  // the priorities equal to tau - 1
-    used += __builtin_popcountll(x);
-    x = x - ((x >> 1) & 0x5555555555555555ull);
-    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
-    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
-    std::memcpy(w + 8 * q, &x, (size_t)std::min(8, n_g - 8 * q));
-    for (int i = 0; i < 8; i++) rise |= (uint32_t)(((at >> (8 * i)) & 0xffu) != 0) << (8 * q + i);
+  uint8_t* __restrict rise = sc.rise.data();
+  int64_t used = 0, rising = 0;
+  for (int64_t gi = 0; gi < n_g; gi++) {
+    const int32_t d = std::min(std::max(tau + 8 * (int32_t)e[gi] - j.q_lo, 0), j.d_max);
+    w[gi] = j.w_of_d[d];
+    rise[gi] = j.r_of_d[d];
+    used += w[gi];
+    rising += rise[gi];
   }
-  int64_t take = std::min<int64_t>(__builtin_popcount(rise), (budget - used * j.g) / j.g);
-  for (; take > 0; take--) {
-    w[__builtin_ctz(rise)]++;
-    rise &= rise - 1;
+  int64_t take = std::min<int64_t>(rising, (budget - used * j.g) / j.g);
+  for (int64_t gi = 0; take > 0; gi++) {
+    w[gi] += rise[gi];
+    take -= rise[gi];
   }
   std::memset(w + n_g, 0, (size_t)(j.per_sg - n_g));
   return true;
@@ -1208,6 +1184,16 @@ int dq_dyn_run(dq_dyn_args* a) {
     for (int ww = 0; ww < MAX_W; ww++) cnt += j.q[ww] >= j.q_lo + d ? 1 : 0;
     j.w_of_d[d] = (uint8_t)cnt;
     j.r_of_d[d] = cnt < MAX_W && j.q[cnt] == j.q_lo + d - 1 ? 1 : 0;
+  }
+  {
+    int order[PAIRS];
+    for (int i = 0; i < PAIRS; i++) order[i] = i;
+    auto prio = [&](int i) { return j.q[i % MAX_W] - 8 * (i / MAX_W); };
+    std::sort(order, order + PAIRS, [&](int x, int y) { return prio(x) > prio(y); });
+    for (int i = 0; i < PAIRS; i++) {
+      j.pair_e[i] = (uint8_t)(order[i] / MAX_W);
+      j.pair_p[i] = prio(order[i]);
+    }
   }
   for (int i = 0; i <= E_MAX; i++) {
     j.steps[i] = a->steps[i];
