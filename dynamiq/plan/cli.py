@@ -31,7 +31,6 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``plan`` (and ``plan calibrate``) to the ``dynamiq`` sub-commands."""
     p: argparse.ArgumentParser = sub.add_parser(
         "plan",
-        help="predict all-reduce time, phases and bits/value on any cluster (cost model)",
         description="Predict each codec x schedule's all-reduce on a cluster from an alpha-beta "
         "network model and measured kernel costs, replaying the engine's own plan (exact "
         "bytes; rounds, sub-chunks and overlap as the engine does them). Parameters come "
